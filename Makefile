@@ -1,0 +1,48 @@
+# The README's commands. `make demo` and `make test` each create .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Exact local pins (this machine has them on disk); pyproject.toml stays loose for GPU images.
+TORCH_PINS := torch==2.14.1 torchvision==0.29.1
+export HF_HUB_OFFLINE := 1
+export RAY_USAGE_STATS_ENABLED := 0
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+
+DEMO_DATA := data/demo
+
+.PHONY: install demo test test-fast lint bench schemas clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH_PINS)
+	$(BIN)/python -m pip install --quiet -e '.[cpu,dev]' $(TORCH_PINS)
+	touch $(STAMP)
+
+$(DEMO_DATA)/ground_truth.parquet: | $(STAMP)
+	$(BIN)/ncl-pipeline make-corpus --out $(DEMO_DATA) --samples 4000 --noise 0.4 \
+		--partial 0.1 --seed 0 --samples-per-shard 500 --test-samples 500 --corrupt 0.005
+
+demo: $(STAMP) $(DEMO_DATA)/ground_truth.parquet
+	$(BIN)/ncl-pipeline run jobs/demo.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check pipeline tests benchmarks
+
+bench: $(STAMP) $(DEMO_DATA)/ground_truth.parquet
+	$(BIN)/python benchmarks/embed.py
+
+schemas: $(STAMP)
+	$(BIN)/ncl-pipeline schemas --out schemas
+
+clean:
+	rm -rf runs/demo

@@ -1,0 +1,155 @@
+"""The `ncl-pipeline` command line: run, submit, make-corpus, validate, schemas.
+
+Errors a user can fix (bad job file, missing shards, missing weights, a conflicting run
+directory) are printed as one `error:` message and exit with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import typer
+
+from pipeline.runtime import apply_loopback_defaults
+
+# Before anything imports Ray or huggingface_hub: loopback-only local Ray, no telemetry.
+apply_loopback_defaults()
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Estimate soft correspondence labels for noisy image-text corpora (WebDataset shards).",
+)
+
+SET_HELP = "Override a job key, e.g. --set labels.method=rcr (repeatable)."
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from pipeline.config import JobConfigError
+    from pipeline.io.shards import ShardPatternError
+    from pipeline.models import ModelLoadError
+    from pipeline.runner import RunConflictError
+    from pipeline.submit import SubmitError
+
+    return (JobConfigError, ShardPatternError, ModelLoadError, RunConflictError, SubmitError)
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=2)
+
+
+def _guard(function, *args, **kwargs):
+    """Call `function`; turn the errors a user can fix into a plain message."""
+    try:
+        return function(*args, **kwargs)
+    except _user_errors() as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def run(
+    job_file: Path = typer.Argument(..., help="Job YAML, e.g. jobs/demo.yaml."),
+    overrides: list[str] = typer.Option(None, "--set", help=SET_HELP),
+) -> None:
+    """Run the pipeline for a job (local Ray by default, or ray.address / RAY_ADDRESS)."""
+    from pipeline.config import load_job
+    from pipeline.runner import run_job
+
+    job = _guard(load_job, job_file, overrides)
+    _guard(run_job, job)
+
+
+@app.command()
+def validate(
+    job_file: Path = typer.Argument(..., help="Job YAML to check."),
+    overrides: list[str] = typer.Option(None, "--set", help=SET_HELP),
+    config_only: bool = typer.Option(
+        False, "--config-only", help="Check the file only, not the shards or model weights."
+    ),
+) -> None:
+    """Check a job file (and, unless --config-only, that its shards and weights exist)."""
+    from pipeline.config import load_job
+    from pipeline.models import check_weights_available
+    from pipeline.runner import model_specs, resolve_inputs
+
+    job = _guard(load_job, job_file, overrides)
+    typer.echo(f"ok: job '{job.name}' is a valid configuration")
+    if config_only:
+        return
+    shards = _guard(resolve_inputs, job)
+    typer.echo(f"ok: {len(shards)} input shards found")
+    for spec in model_specs(job).values():
+        _guard(check_weights_available, spec)
+    pretrained = job.model.pretrained or "random init"
+    typer.echo(f"ok: model {job.model.name} ({pretrained}) is available")
+
+
+@app.command("make-corpus")
+def make_corpus_command(
+    out: Path = typer.Option(..., "--out", help="Directory to write the shards into."),
+    samples: int = typer.Option(4000, help="Training pairs."),
+    noise: float = typer.Option(0.4, help="Fraction of mismatched pairs (caption of another)."),
+    partial: float = typer.Option(0.1, help="Fraction of partially matching pairs."),
+    seed: int = typer.Option(0, help="Seed: the corpus is a pure function of the arguments."),
+    samples_per_shard: int = typer.Option(500, help="Pairs per tar shard."),
+    test_samples: int = typer.Option(500, help="Clean held-out pairs under OUT/test/."),
+    image_size: int = typer.Option(64, help="Image side in pixels."),
+    corrupt: float = typer.Option(0.0, help="Fraction of deliberately corrupt samples."),
+) -> None:
+    """Write the synthetic noisy demo corpus in img2dataset layout, with ground truth."""
+    from pipeline.data.synthetic import make_corpus
+
+    try:
+        summary = make_corpus(
+            out, samples=samples, noise=noise, partial=partial, seed=seed,
+            samples_per_shard=samples_per_shard, test_samples=test_samples,
+            image_size=image_size, corrupt=corrupt,
+        )
+    except ValueError as exc:
+        _fail(str(exc))
+    typer.echo(
+        f"wrote {summary.samples} pairs in {len(summary.shards)} shards to {out} "
+        f"({', '.join(f'{k}: {v}' for k, v in sorted(summary.counts.items()))}); "
+        f"{len(summary.test_shards)} clean test shards in {out}/test"
+    )
+
+
+@app.command()
+def submit(
+    job_file: Path = typer.Argument(..., help="Job YAML to run on the cluster."),
+    address: str = typer.Option(
+        None, "--address", envvar="RAY_API_SERVER_ADDRESS",
+        help="Ray dashboard / Jobs API address, e.g. http://head:8265.",
+    ),
+    overrides: list[str] = typer.Option(None, "--set", help=SET_HELP),
+    follow: bool = typer.Option(False, "--follow", help="Stream the job's logs until it ends."),
+) -> None:
+    """Submit a job to a Ray cluster through the Ray Jobs API."""
+    from pipeline.submit import submit_job
+
+    if not address:
+        _fail("no cluster address: pass --address http://<head>:8265 (the Ray dashboard port)")
+    status = _guard(submit_job, job_file, address, overrides, follow=follow, log=typer.echo)
+    if follow and status != "SUCCEEDED":
+        raise typer.Exit(code=1)
+
+
+@app.command(hidden=True)
+def schemas(out: Path = typer.Option(Path("schemas"), help="Folder for the JSON exports.")) -> None:
+    """Regenerate the JSON schemas under schemas/ from the code."""
+    from pipeline.schemas import write_schemas
+
+    for path in write_schemas(out):
+        typer.echo(f"wrote {path}")
+
+
+def main() -> None:
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    app(prog_name="ncl-pipeline")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

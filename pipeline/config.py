@@ -1,0 +1,299 @@
+"""Job configuration: YAML in, a frozen, typed `JobConfig` out.
+
+Contract (DESIGN §4.2): the top-level sections and keys below exist; more may be added. Unknown
+keys and bad values fail at load time, before any work, with a `JobConfigError` whose message
+names the dotted key, the bad value and the fix. Overrides use dotted keys
+(`labels.method=rcr`); their values are parsed as YAML scalars (`train.rounds=0` is an int).
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "JobConfig",
+    "JobConfigError",
+    "load_job",
+    "parse_overrides",
+    "job_json_schema",
+]
+
+
+class JobConfigError(ValueError):
+    """A job file that cannot be used; the message is meant for the user as is."""
+
+
+class _Section(BaseModel):
+    # Frozen so a stage cannot mutate the job it was given; forbid so typos fail loudly.
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class InputConfig(_Section):
+    shards: str | list[str] = Field(
+        description="Tar shards: brace pattern, glob, list, local path or fsspec URL."
+    )
+    image_key: Literal["auto", "jpg", "jpeg", "png", "webp"] = Field(
+        "auto", description="Image member extension; auto picks the first of jpg/jpeg/png/webp."
+    )
+    caption_key: Literal["txt"] = Field("txt", description="Caption member extension (UTF-8).")
+    max_image_pixels: int = Field(
+        50_000_000, gt=0, description="Decompression-bomb guard: larger images are quarantined."
+    )
+    allow_pipe: bool = Field(False, description="Allow 'pipe:' shard URLs (runs shell commands).")
+
+
+class ModelConfig(_Section):
+    name: str = Field(description="open_clip model name, e.g. ViT-B-32, or a packaged config.")
+    pretrained: str | None = Field(
+        None, description="open_clip pretrained tag, local checkpoint path, or null (random init)."
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Autocast precision; losses are always computed in fp32."
+    )
+
+
+class EmbedConfig(_Section):
+    batch_size: int = Field(
+        256, ge=2, description="Fixed loss batch b (METHODS §1.2): in-batch negatives per sample."
+    )
+    gpus_per_worker: float = Field(
+        1.0, ge=0, description="GPUs per embed actor when the cluster has GPUs (ignored on CPU)."
+    )
+    cpus_per_worker: float = Field(
+        1.0, gt=0, description="CPUs reserved per embed actor (decode threads share them)."
+    )
+    decode_threads: int = Field(
+        4, ge=1, description="Threads per actor decoding images while the model runs."
+    )
+    concurrency: int | Literal["auto"] = Field(
+        "auto", description="Embed actors; auto = number of GPUs, or 1 per 2 CPUs without GPUs."
+    )
+
+    @field_validator("concurrency")
+    @classmethod
+    def _positive_concurrency(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be >= 1 or 'auto'")
+        return value
+
+
+class MixtureConfig(_Section):
+    kind: Literal["bmm", "gmm"] = Field("bmm", description="Mixture fitted on per-sample losses.")
+
+
+class LabelsConfig(_Section):
+    method: Literal["bicro", "rcr", "sps", "cosine"] = Field(
+        "bicro", description="Soft-label method written as soft_label."
+    )
+
+
+class IndexConfig(_Section):
+    factory: str = Field("Flat", description="FAISS index_factory string, e.g. 'IVF65536,PQ64'.")
+    shards: int = Field(1, ge=1, description="Index shards held by separate actors.")
+
+
+class TrainConfig(_Section):
+    rounds: int = Field(2, ge=0, description="Co-teaching rounds after warm-up.")
+    warmup_epochs: int = Field(1, ge=0, description="Warm-up epochs (maximum when adaptive).")
+    epochs_per_round: int = Field(1, ge=1, description="Fine-tuning epochs per round.")
+    lr: float = Field(5.0e-7, gt=0, description="Peak learning rate (AdamW).")
+    batch_size: int = Field(256, ge=2, description="Training batch size per step.")
+
+
+class EvalConfig(_Section):
+    ground_truth: str | None = Field(
+        None, description="ground_truth.parquet for label quality (demo/benchmarks)."
+    )
+    test_shards: str | list[str] | None = Field(
+        None, description="Clean held-out shards for retrieval recall."
+    )
+
+
+class RayConfig(_Section):
+    address: str | None = Field(
+        None, description="null = local Ray on 127.0.0.1; 'auto' or ray://host:10001 = cluster."
+    )
+    num_cpus: int | None = Field(
+        None, ge=1, description="CPUs for the embedded local Ray (null = all of this machine)."
+    )
+
+
+class JobConfig(_Section):
+    name: str = Field(description="Job name, used in logs and run metadata.")
+    input: InputConfig
+    output: str = Field(description="Run directory: local path or fsspec URL.")
+    model: ModelConfig
+    embed: EmbedConfig = EmbedConfig()
+    mixture: MixtureConfig = MixtureConfig()
+    labels: LabelsConfig = LabelsConfig()
+    index: IndexConfig = IndexConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    ray: RayConfig = RayConfig()
+    seed: int = Field(0, description="Seeds model init, batch permutations and sampling.")
+
+    @model_validator(mode="after")
+    def _name_is_simple(self) -> JobConfig:
+        if not self.name or any(c in self.name for c in "/\\ "):
+            raise ValueError("name must be non-empty without '/', '\\' or spaces")
+        return self
+
+    def stage_hash(self, *sections: str) -> str:
+        """Short, stable hash of the named sections (all when none): the resume guard's key."""
+        dumped = self.model_dump(mode="json")
+        chosen = {k: dumped[k] for k in sections} if sections else dumped
+        blob = json.dumps(chosen, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# Loading and error formatting
+
+
+def parse_overrides(overrides: list[str] | None) -> dict[str, Any]:
+    """Parse `dotted.key=value` strings into a nested dict (values parsed as YAML scalars).
+
+    Raises:
+        JobConfigError: an override without '=' or with an empty key.
+    """
+    nested: dict[str, Any] = {}
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise JobConfigError(
+                f"override '{item}' is not of the form dotted.key=value, e.g. train.rounds=0"
+            )
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        parts = key.strip().split(".")
+        node = nested
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise JobConfigError(f"override '{item}' conflicts with an earlier override")
+            node = child
+        node[parts[-1]] = value
+    return nested
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _field_path(loc: tuple[Any, ...], unknown_last: bool) -> tuple[list[str], type[BaseModel] | None]:
+    """Keep the real field names of a pydantic error location.
+
+    pydantic appends union-branch tags such as 'int' or "literal['auto']" to `loc`; those are
+    not keys the user wrote. Returns the dotted path and the model that owns its last key.
+    """
+    path: list[str] = []
+    owner: type[BaseModel] | None = JobConfig
+    for index, part in enumerate(loc):
+        fields = owner.model_fields if owner is not None else {}
+        if isinstance(part, str) and part in fields:
+            path.append(part)
+            nested = _section_model(fields[part].annotation)
+            if nested is None:
+                break
+            owner = nested
+        elif unknown_last and index == len(loc) - 1:
+            path.append(str(part))
+        else:
+            break
+    return path, owner
+
+
+def _describe_error(error: dict[str, Any]) -> str:
+    kind = error["type"]
+    path, owner = _field_path(tuple(error["loc"]), unknown_last=kind == "extra_forbidden")
+    dotted = ".".join(path) or "(top level)"
+    if kind == "extra_forbidden":
+        known = list(owner.model_fields) if owner is not None else []
+        close = difflib.get_close_matches(path[-1], known, n=1)
+        hints = []
+        if close:
+            hints.append(f"did you mean '{'.'.join([*path[:-1], close[0]])}'?")
+        if known:
+            hints.append(f"allowed keys here: {', '.join(known)}")
+        return f"unknown key '{dotted}'" + (f" ({'; '.join(hints)})" if hints else "")
+    if kind == "missing":
+        return f"missing required key '{dotted}': add it to the job file or pass --set {dotted}=..."
+    value = error.get("input")
+    plain = isinstance(value, (str, int, float, bool, type(None)))
+    shown = json.dumps(value) if plain else repr(value)
+    return (
+        f"bad value for '{dotted}': {shown} ({error['msg']}); "
+        f"fix it in the job file or with --set {dotted}=..."
+    )
+
+
+def _format_validation_error(source: str, exc: ValidationError) -> str:
+    lines = [f"invalid job {source}:"]
+    seen: set[str] = set()
+    for error in exc.errors():
+        text = _describe_error(error)
+        if text not in seen:
+            seen.add(text)
+            lines.append(f"  - {text}")
+    return "\n".join(lines)
+
+
+def load_job(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
+    """Load and validate a job YAML file, applying `dotted.key=value` overrides.
+
+    Args:
+        path: the job YAML file.
+        overrides: strings like `train.rounds=0`, applied after the file.
+
+    Returns:
+        The validated, frozen JobConfig.
+
+    Raises:
+        JobConfigError: unreadable file, invalid YAML, unknown keys or bad values; the message
+            names the file, the dotted key, the bad value and the fix.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise JobConfigError(f"job file '{path}' does not exist") from None
+    except OSError as exc:
+        raise JobConfigError(f"job file '{path}' cannot be read: {exc}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise JobConfigError(f"job file '{path}' is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise JobConfigError(f"job file '{path}' must be a YAML mapping of sections (name, input, ...)")
+    merged = _merge(raw, parse_overrides(overrides))
+    try:
+        return JobConfig.model_validate(merged)
+    except ValidationError as exc:
+        raise JobConfigError(_format_validation_error(f"'{path}'", exc)) from None
+
+
+def job_json_schema() -> dict[str, Any]:
+    """The JSON Schema of the job file, as exported to schemas/job.schema.json."""
+    schema = JobConfig.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "ncl-pipeline job"
+    return schema

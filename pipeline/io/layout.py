@@ -1,0 +1,58 @@
+"""The run directory (DESIGN §4.3): one place that names every path a stage reads or writes.
+
+Contract paths: `labels/<shard>.parquet`, `quarantine/<shard>.parquet`, `metrics.json`,
+`manifest.json`, `report/`. Everything under `rounds/<r>/` is intermediate and may change.
+`output` may be a local path or an fsspec URL; paths are joined with '/' for both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["RunLayout"]
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    output: str  # run directory, local path or fsspec URL, without a trailing '/'
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "output", self.output.rstrip("/"))
+
+    def _join(self, *parts: object) -> str:
+        return "/".join([self.output, *(str(p) for p in parts)])
+
+    @property
+    def manifest(self) -> str:
+        return self._join("manifest.json")
+
+    @property
+    def metrics(self) -> str:
+        return self._join("metrics.json")
+
+    @property
+    def quarantine_dir(self) -> str:
+        return self._join("quarantine")
+
+    def quarantine(self, shard: str) -> str:
+        return self._join("quarantine", f"{shard}.parquet")
+
+    @property
+    def labels_dir(self) -> str:
+        return self._join("labels")
+
+    def labels(self, shard: str) -> str:
+        return self._join("labels", f"{shard}.parquet")
+
+    def round_dir(self, round_index: int) -> str:
+        return self._join("rounds", round_index)
+
+    def embeddings_dir(self, round_index: int) -> str:
+        return self._join("rounds", round_index, "embeddings")
+
+    def embeddings(self, round_index: int, shard: str) -> str:
+        return self._join("rounds", round_index, "embeddings", f"{shard}.parquet")
+
+    @property
+    def report_dir(self) -> str:
+        return self._join("report")

@@ -1,0 +1,112 @@
+"""Parquet tables: explicit schemas and atomic writes.
+
+Contract:
+- Every table is written with an explicit `pyarrow.Schema` (never inferred).
+- `write_table_atomic` writes to a temporary name beside the target and renames it, so a file
+  under its final name is always complete: its presence is the completion marker that reruns
+  use to skip work. A crash leaves only `*.tmp-*` debris, which reruns overwrite.
+- The quarantine table (DESIGN §4.3) has `key, shard, member, reason` (+ `detail`).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+__all__ = [
+    "QUARANTINE_SCHEMA",
+    "embedding_schema",
+    "write_table_atomic",
+    "read_json",
+    "write_json_atomic",
+    "file_exists",
+]
+
+QUARANTINE_SCHEMA = pa.schema(
+    [
+        pa.field("key", pa.string(), nullable=True),  # null when the tar broke before a key
+        pa.field("shard", pa.string(), nullable=False),
+        pa.field("member", pa.string(), nullable=True),
+        pa.field("reason", pa.dictionary(pa.int8(), pa.string()), nullable=False),
+        pa.field("detail", pa.string(), nullable=True),
+    ],
+    metadata={"ncl.schema": "quarantine.v1"},
+)
+
+
+
+def embedding_schema(views: Sequence[str], dim: int, metadata: Mapping[str, str] | None = None) -> pa.Schema:
+    """Schema of `rounds/<r>/embeddings/<shard>.parquet`.
+
+    Embeddings are fp16 fixed-size lists (DESIGN §5: ~13 GB for CC3M, two views); scalars are
+    float32. Column names are `<column>_<view>`, e.g. `loss_i2t_a`.
+    """
+    fields = [
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("shard", pa.string(), nullable=False),
+        pa.field("url", pa.string(), nullable=True),
+        pa.field("caption", pa.string(), nullable=False),
+        pa.field("loss_batch", pa.int32(), nullable=False),  # which fixed-size batch scored it
+    ]
+    for view in views:
+        fields += [
+            pa.field(f"image_embedding_{view}", pa.list_(pa.float16(), dim), nullable=False),
+            pa.field(f"text_embedding_{view}", pa.list_(pa.float16(), dim), nullable=False),
+            pa.field(f"cosine_{view}", pa.float32(), nullable=False),
+            pa.field(f"loss_i2t_{view}", pa.float32(), nullable=False),
+            pa.field(f"loss_t2i_{view}", pa.float32(), nullable=False),
+            pa.field(f"loss_triplet_{view}", pa.float32(), nullable=False),
+        ]
+    return pa.schema(fields, metadata=dict(metadata or {}))
+
+
+def file_exists(path: str) -> bool:
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    return fs.exists(fs_path)
+
+
+def write_table_atomic(table: pa.Table, path: str, schema: pa.Schema) -> None:
+    """Write `table` cast to `schema` at `path` (local or fsspec URL), atomically.
+
+    Raises:
+        ValueError: the table does not match the schema (names the differing columns).
+    """
+    if table.schema.names != schema.names:
+        raise ValueError(
+            f"table for {path} has columns {table.schema.names}, expected {schema.names}"
+        )
+    table = table.cast(schema)
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    parent = fs_path.rsplit("/", 1)[0] if "/" in fs_path else ""
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    tmp_path = f"{fs_path}.tmp-{uuid.uuid4().hex[:8]}"
+    with fs.open(tmp_path, "wb") as handle:
+        pq.write_table(table, handle, compression="zstd")
+    fs.mv(tmp_path, fs_path)
+
+
+def write_json_atomic(payload: Mapping, path: str) -> None:
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    parent = fs_path.rsplit("/", 1)[0] if "/" in fs_path else ""
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    tmp_path = f"{fs_path}.tmp-{uuid.uuid4().hex[:8]}"
+    with fs.open(tmp_path, "w") as handle:
+        json.dump(payload, handle, indent=2, sort_keys=True, default=str)
+        handle.write("\n")
+    fs.mv(tmp_path, fs_path)
+
+
+def read_json(path: str) -> dict | None:
+    """The JSON object at `path`, or None when the file does not exist."""
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    if not fs.exists(fs_path):
+        return None
+    with fs.open(fs_path, "r") as handle:
+        return json.load(handle)

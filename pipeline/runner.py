@@ -1,0 +1,169 @@
+"""`run_job`: the one place that lists the stages in order (STYLE point 3).
+
+Each stage reads the artifacts named for it and writes only its own directory. Checks that can
+fail cheaply (config, shard patterns, model weights, a conflicting earlier run) run before Ray
+starts, so a bad job fails in seconds with a message instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+from collections.abc import Callable
+from importlib import metadata
+
+from pipeline.config import JobConfig
+from pipeline.io.layout import RunLayout
+from pipeline.io.shards import DecodeOptions, expand_shard_patterns, shard_name
+from pipeline.io.tables import read_json, write_json_atomic
+from pipeline.models import ModelSpec, check_weights_available
+
+__all__ = ["RunConflictError", "run_job", "resolve_inputs", "model_specs"]
+
+EMBED_SECTIONS = ("input", "model", "embed", "seed")
+
+
+class RunConflictError(RuntimeError):
+    """The output directory holds results of a different configuration."""
+
+
+def _versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for package in ("ncl-pipeline", "torch", "open_clip_torch", "ray", "pyarrow", "faiss-cpu"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def resolve_inputs(job: JobConfig) -> list[str]:
+    """Expand the job's shard patterns; fail when two shards would share an output name."""
+    paths = expand_shard_patterns(job.input.shards, allow_pipe=job.input.allow_pipe)
+    seen: dict[str, str] = {}
+    for path in paths:
+        name = shard_name(path)
+        if name in seen:
+            raise RunConflictError(
+                f"shards '{seen[name]}' and '{path}' have the same name '{name}'; output tables "
+                "are named by shard, so shard basenames must be unique within a job"
+            )
+        seen[name] = path
+    return paths
+
+
+def model_specs(job: JobConfig) -> dict[str, ModelSpec]:
+    """The model views of round 0: view 'a' is the job's model seeded with the job's seed."""
+    return {
+        "a": ModelSpec(
+            name=job.model.name,
+            pretrained=job.model.pretrained,
+            precision=job.model.precision,
+            seed=job.seed,
+        )
+    }
+
+
+def _check_resume(job: JobConfig, layout: RunLayout) -> dict:
+    """Refuse to silently mix outputs of different configurations in one run directory."""
+    manifest = read_json(layout.manifest) or {}
+    recorded = manifest.get("stage_hashes", {}).get("embed")
+    current = job.stage_hash(*EMBED_SECTIONS)
+    if recorded and recorded != current:
+        raise RunConflictError(
+            f"output '{layout.output}' holds embeddings of a different configuration "
+            f"(input/model/embed/seed changed: {recorded} != {current}). Use a new output "
+            f"directory (--set output=...) or delete '{layout.output}/rounds' to recompute."
+        )
+    return manifest
+
+
+def run_job(job: JobConfig, log: Callable[[str], None] = print) -> dict:
+    """Run the pipeline for `job` on Ray and return the metrics written to metrics.json.
+
+    Raises:
+        ShardPatternError: the input pattern matches no file.
+        ModelLoadError: model name/weights unusable (checked before Ray starts).
+        RunConflictError: the output directory belongs to another configuration.
+    """
+    from pipeline.runtime import init_ray
+    from pipeline.stages.embed import EmbedSpec, run_embed_pass
+
+    layout = RunLayout(job.output)
+    shard_paths = resolve_inputs(job)
+    views = model_specs(job)
+    for spec in views.values():
+        check_weights_available(spec)
+    manifest = _check_resume(job, layout)
+
+    where = init_ray(job.ray.address, job.ray.num_cpus)
+    log(f"ncl-pipeline: job '{job.name}', {len(shard_paths)} shards, {where}, output {layout.output}")
+    manifest.update(
+        {
+            "job_name": job.name,
+            "job_hash": job.stage_hash(),
+            "job": job.model_dump(mode="json"),
+            "versions": _versions(),
+            "stage_hashes": {"embed": job.stage_hash(*EMBED_SECTIONS)},
+        }
+    )
+    manifest.setdefault("stages", {})
+    write_json_atomic(manifest, layout.manifest)
+
+    embed_spec = EmbedSpec(
+        output=layout.output,
+        round_index=0,
+        views=views,
+        batch_size=job.embed.batch_size,
+        seed=job.seed,
+        decode=DecodeOptions(
+            image_key=job.input.image_key,
+            caption_key=job.input.caption_key,
+            max_image_pixels=job.input.max_image_pixels,
+        ),
+        decode_threads=job.embed.decode_threads,
+        write_quarantine=True,
+    )
+    embed = run_embed_pass(
+        embed_spec,
+        shard_paths,
+        concurrency=job.embed.concurrency,
+        cpus_per_worker=job.embed.cpus_per_worker,
+        gpus_per_worker=job.embed.gpus_per_worker,
+        log=log,
+    )
+    manifest["stages"]["round0/embed"] = {
+        "complete": not embed["shards_failed"],
+        "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+    }
+    write_json_atomic(manifest, layout.manifest)
+
+    metrics = read_json(layout.metrics) or {}
+    metrics.setdefault("rounds", {}).setdefault("0", {})["embed"] = embed
+    metrics["outputs"] = {
+        "embeddings": layout.embeddings_dir(0),
+        "quarantine": layout.quarantine_dir,
+        "manifest": layout.manifest,
+    }
+    write_json_atomic(metrics, layout.metrics)
+    _print_summary(embed, layout, log)
+    return metrics
+
+
+def _print_summary(embed: dict, layout: RunLayout, log: Callable[[str], None]) -> None:
+    reasons = ", ".join(f"{k}: {v}" for k, v in embed["quarantined_by_reason"].items()) or "none"
+    rate = embed["pairs_per_second"]
+    log("")
+    log("summary")
+    log(f"  shards:       {embed['shards']} ({embed['shards_skipped']} already complete)")
+    log(f"  samples read: {embed['records_read']} (this run)")
+    log(f"  embedded:     {embed['embedded']}")
+    log(f"  quarantined:  {embed['quarantined']} ({reasons})")
+    if embed["ignored_members"]:
+        ignored = ", ".join(f".{k}: {v}" for k, v in embed["ignored_members"].items())
+        log(f"  ignored tar members (never decoded): {ignored}")
+    if rate:
+        log(f"  throughput:   {rate:.0f} pairs/s over {embed['seconds']:.1f}s")
+    for failure in embed["shards_failed"]:
+        log(f"  FAILED shard {failure['path']}: {failure['error']} (rerun to retry)")
+    log(f"  outputs:      {layout.embeddings_dir(0)}/, {layout.quarantine_dir}/, {layout.metrics}")

@@ -1,0 +1,64 @@
+"""Starting or joining Ray: the embedded local Ray binds to 127.0.0.1 only.
+
+Contract: `init_ray(None)` starts a private local Ray whose every port listens on loopback
+(STACK.md: Ray's local-only mode, `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`), with usage stats off.
+`init_ray(address)` or `RAY_ADDRESS` joins an existing cluster instead. Importing this module
+sets the loopback defaults in the environment (without overriding explicit user settings), so
+the raylet and workers that Ray spawns inherit them.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["LOOPBACK_ENV", "apply_loopback_defaults", "init_ray", "cluster_resources"]
+
+# Set before `import ray`: Ray reads some of these at import time.
+LOOPBACK_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # local-only mode: all ports bind 127.0.0.1
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+}
+
+
+def apply_loopback_defaults() -> None:
+    for key, value in LOOPBACK_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
+    """Start (or connect to) Ray once per process.
+
+    Args:
+        address: None for the embedded local Ray (unless RAY_ADDRESS is set); "auto" or
+            "ray://host:10001" for a cluster.
+        num_cpus: CPUs of the embedded local Ray; None means all of this machine.
+
+    Returns:
+        A short description of where the job runs, for the log.
+    """
+    apply_loopback_defaults()
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if ray.is_initialized():
+        return "existing Ray session"
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return f"Ray cluster at {address}"
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=True,
+        configure_logging=True,
+        logging_level="WARNING",
+    )
+    return "local Ray (127.0.0.1)"
+
+
+def cluster_resources() -> tuple[float, float]:
+    """(CPUs, GPUs) of the connected cluster."""
+    import ray
+
+    resources = ray.cluster_resources()
+    return float(resources.get("CPU", 0.0)), float(resources.get("GPU", 0.0))

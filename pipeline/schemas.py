@@ -1,0 +1,34 @@
+"""JSON exports of the project's contracts, generated from the code (STYLE point 5).
+
+`schemas/job.schema.json` is the job file's JSON Schema; a test fails when the committed file
+differs from what this module generates (`ncl-pipeline schemas` rewrites them).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline.config import job_json_schema
+
+__all__ = ["generated_schemas", "write_schemas"]
+
+
+def generated_schemas() -> dict[str, dict]:
+    """File name -> JSON document, for every exported schema."""
+    return {"job.schema.json": job_json_schema()}
+
+
+def render(document: dict) -> str:
+    return json.dumps(document, indent=2, sort_keys=True) + "\n"
+
+
+def write_schemas(folder: str | Path) -> list[Path]:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, document in generated_schemas().items():
+        path = folder / name
+        path.write_text(render(document))
+        written.append(path)
+    return written

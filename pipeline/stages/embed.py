@@ -1,0 +1,372 @@
+"""Embed pass: shards -> per-shard embeddings, cosines and per-sample losses (DESIGN §2, barrier 1).
+
+Contract:
+- Unit of work: one tar shard. `EmbedShardStage` is a Ray Data callable class; each input row
+  is a shard path and each output row a small per-shard summary (counts, timings). Per-sample
+  data goes straight to `rounds/<r>/embeddings/<shard>.parquet` and never to the driver.
+- Per shard it writes `quarantine/<shard>.parquet` first (when asked to), then the embeddings
+  table, atomically; the embeddings file is the shard's completion marker, so a rerun skips
+  shards whose file exists and recomputes the rest.
+- Losses follow METHODS §1.2: embeddings are computed per sample, then losses on seeded,
+  fixed-size batches of `batch_size` within the shard (remainder batch filled with other
+  samples of the shard whose losses are discarded).
+
+Why a shard per call: the output is per shard (atomic, resumable, one quarantine file per
+shard) and a shard's samples stay together, so no shuffle or group-by is needed. Decoding runs
+in a thread pool inside the actor (PIL and torch release the GIL) and overlaps the model.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from pipeline.core.losses import fixed_size_loss_batches, infonce_per_sample, triplet_per_sample
+from pipeline.io.layout import RunLayout
+from pipeline.io.shards import (
+    DecodedSample,
+    DecodeOptions,
+    Rejection,
+    ShardReadError,
+    ShardReadStats,
+    decode_record,
+    iter_shard_records,
+    shard_name,
+)
+from pipeline.io.tables import QUARANTINE_SCHEMA, embedding_schema, write_table_atomic
+from pipeline.models import LoadedClip, ModelSpec, encode_pairs, load_clip
+
+__all__ = ["EmbedSpec", "EmbedShardStage", "SUMMARY_COLUMNS", "embed_shard"]
+
+SUMMARY_COLUMNS = (
+    "shard",
+    "path",
+    "records",
+    "embedded",
+    "quarantined",
+    "reasons",  # JSON object: quarantine reason -> count
+    "ignored_members",  # JSON object: member extension -> count
+    "short_batches",  # 1 when the shard had fewer samples than the loss batch
+    "seconds",
+    "error",
+)
+
+
+@dataclass(frozen=True)
+class EmbedSpec:
+    """Everything an embed actor needs; plain data so Ray can ship it to workers."""
+
+    output: str  # run directory
+    round_index: int
+    views: dict[str, ModelSpec]  # view name ("a", "b") -> model; one pass scores every view
+    batch_size: int  # fixed loss batch b
+    seed: int
+    decode: DecodeOptions = field(default_factory=DecodeOptions)
+    decode_threads: int = 4
+    write_quarantine: bool = True  # only round 0 records quarantine; later rounds re-read
+    device: str = "auto"
+
+
+@dataclass
+class _ShardBuffers:
+    """What one shard accumulates between decoding and writing."""
+
+    keys: list[str] = field(default_factory=list)
+    urls: list[str | None] = field(default_factory=list)
+    captions: list[str] = field(default_factory=list)
+    image_embeddings: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    text_embeddings: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    rejections: list[Rejection] = field(default_factory=list)
+
+
+def _preprocess(sample: DecodedSample | Rejection, loaded: LoadedClip):
+    if isinstance(sample, Rejection):
+        return sample, None
+    return sample, loaded.preprocess(sample.image)
+
+
+class EmbedShardStage:
+    """Ray Data actor: loads the views' models once, then embeds one shard per input row."""
+
+    def __init__(self, spec: EmbedSpec):
+        self.spec = spec
+        self.models = {view: load_clip(model, spec.device) for view, model in spec.views.items()}
+        self.pool = ThreadPoolExecutor(max_workers=spec.decode_threads)
+        torch.set_grad_enabled(False)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rows = [embed_shard(str(path), self.spec, self.models, self.pool) for path in batch["path"]]
+        return {column: np.array([row[column] for row in rows]) for column in SUMMARY_COLUMNS}
+
+
+def _decode_chunk(records, spec: EmbedSpec, loaded: LoadedClip, pool: ThreadPoolExecutor):
+    """Decode + preprocess a chunk of raw records on the thread pool (returns futures)."""
+
+    def work(record):
+        sample = decode_record(record, spec.decode)
+        return _preprocess(sample, loaded)
+
+    return [pool.submit(work, record) for record in records]
+
+
+def _embed_decoded(futures, buffers: _ShardBuffers, models: dict[str, LoadedClip]) -> None:
+    """Collect a decoded chunk and run every view's model on it."""
+    images, captions = [], []
+    for future in futures:
+        sample, image = future.result()
+        if isinstance(sample, Rejection):
+            buffers.rejections.append(sample)
+            continue
+        buffers.keys.append(sample.key)
+        buffers.urls.append(sample.url)
+        buffers.captions.append(sample.caption)
+        captions.append(sample.caption)
+        images.append(image)
+    if not images:
+        return
+    pixels = torch.stack(images)  # (B, 3, H, W)
+    for view, loaded in models.items():
+        tokens = loaded.tokenizer(captions)  # (B, L)
+        image_emb, text_emb, _ = encode_pairs(loaded, pixels, tokens)
+        buffers.image_embeddings.setdefault(view, []).append(image_emb.cpu())
+        buffers.text_embeddings.setdefault(view, []).append(text_emb.cpu())
+
+
+def _losses(
+    image_emb: torch.Tensor, text_emb: torch.Tensor, logit_scale: float, batches
+) -> dict[str, np.ndarray]:
+    """Per-sample losses on the fixed-size batches (filler rows scored but discarded)."""
+    n = image_emb.shape[0]
+    out = {name: np.full(n, np.nan, dtype=np.float32) for name in ("i2t", "t2i", "triplet")}
+    batch_ids = np.full(n, -1, dtype=np.int32)
+    for batch_index, (indices, n_scored) in enumerate(batches):
+        idx = torch.as_tensor(indices)
+        scored = indices[:n_scored]
+        loss_i2t, loss_t2i = infonce_per_sample(image_emb[idx], text_emb[idx], logit_scale)
+        triplet = triplet_per_sample(image_emb[idx], text_emb[idx])
+        out["i2t"][scored] = loss_i2t[:n_scored].numpy()
+        out["t2i"][scored] = loss_t2i[:n_scored].numpy()
+        out["triplet"][scored] = triplet[:n_scored].numpy()
+        batch_ids[scored] = batch_index
+    out["batch"] = batch_ids
+    return out
+
+
+def _fixed_list(matrix: np.ndarray) -> pa.FixedSizeListArray:
+    flat = pa.array(matrix.astype(np.float16).reshape(-1), type=pa.float16())
+    return pa.FixedSizeListArray.from_arrays(flat, matrix.shape[1])
+
+
+def _quarantine_table(rejections: list[Rejection]) -> pa.Table:
+    return pa.table(
+        {
+            "key": [r.key for r in rejections],
+            "shard": [r.shard for r in rejections],
+            "member": [r.member for r in rejections],
+            "reason": [r.reason for r in rejections],
+            "detail": [r.detail for r in rejections],
+        }
+    )
+
+
+def embed_shard(
+    path: str,
+    spec: EmbedSpec,
+    models: dict[str, LoadedClip],
+    pool: ThreadPoolExecutor,
+) -> dict:
+    """Embed one shard and write its tables. Returns the shard's summary row."""
+    started = time.perf_counter()
+    shard = shard_name(path)
+    layout = RunLayout(spec.output)
+    stats = ShardReadStats()
+    buffers = _ShardBuffers()
+    first_model = next(iter(models.values()))
+    error = ""
+    try:
+        pending = None  # futures of the chunk being decoded while the previous one is embedded
+        chunk: list = []
+        for item in iter_shard_records(path, stats):
+            if isinstance(item, Rejection):
+                buffers.rejections.append(item)
+                continue
+            chunk.append(item)
+            if len(chunk) == spec.batch_size:
+                futures = _decode_chunk(chunk, spec, first_model, pool)
+                if pending is not None:
+                    _embed_decoded(pending, buffers, models)
+                pending, chunk = futures, []
+        tail = _decode_chunk(chunk, spec, first_model, pool) if chunk else None
+        for futures in (pending, tail):
+            if futures is not None:
+                _embed_decoded(futures, buffers, models)
+    except ShardReadError as exc:
+        # Nothing of this shard can be trusted: record it, write no embeddings (a rerun retries).
+        error = str(exc)
+        buffers = _ShardBuffers(
+            rejections=[Rejection(None, shard, None, "unreadable_shard", error)]
+        )
+
+    n = len(buffers.keys)
+    if spec.write_quarantine:
+        write_table_atomic(_quarantine_table(buffers.rejections), layout.quarantine(shard),
+                           QUARANTINE_SCHEMA)
+    if not error:
+        _write_embeddings(shard, spec, models, buffers, layout)
+
+    reasons = Counter(r.reason for r in buffers.rejections)
+    return {
+        "shard": shard,
+        "path": path,
+        "records": stats.records,
+        "embedded": n,
+        "quarantined": len(buffers.rejections),
+        "reasons": json.dumps(dict(sorted(reasons.items()))),
+        "ignored_members": json.dumps(dict(sorted(stats.ignored_members.items()))),
+        "short_batches": int(0 < n < spec.batch_size),
+        "seconds": time.perf_counter() - started,
+        "error": error,
+    }
+
+
+def _write_embeddings(
+    shard: str,
+    spec: EmbedSpec,
+    models: dict[str, LoadedClip],
+    buffers: _ShardBuffers,
+    layout: RunLayout,
+) -> None:
+    n = len(buffers.keys)
+    rng = np.random.default_rng([spec.seed, spec.round_index, zlib.crc32(shard.encode())])
+    batches = fixed_size_loss_batches(n, spec.batch_size, rng)
+    columns: dict[str, object] = {
+        "key": buffers.keys,
+        "shard": [shard] * n,
+        "url": buffers.urls,
+        "caption": buffers.captions,
+    }
+    metadata = {
+        "ncl.schema": "embeddings.v1",
+        "ncl.round": str(spec.round_index),
+        "ncl.batch_size": str(spec.batch_size),
+        "ncl.seed": str(spec.seed),
+    }
+    dim = 0
+    batch_ids = np.zeros(n, dtype=np.int32)
+    for view, loaded in models.items():
+        dim = int(loaded.embed_dim)
+        if n:
+            image_emb = torch.cat(buffers.image_embeddings[view])  # (N, D) float32
+            text_emb = torch.cat(buffers.text_embeddings[view])
+        else:
+            image_emb = torch.zeros((0, dim))
+            text_emb = torch.zeros((0, dim))
+        logit_scale = loaded.logit_scale
+        losses = _losses(image_emb, text_emb, logit_scale, batches)
+        batch_ids = losses["batch"]
+        columns[f"image_embedding_{view}"] = _fixed_list(image_emb.numpy())
+        columns[f"text_embedding_{view}"] = _fixed_list(text_emb.numpy())
+        columns[f"cosine_{view}"] = (image_emb * text_emb).sum(dim=1).numpy().astype(np.float32)
+        columns[f"loss_i2t_{view}"] = losses["i2t"]
+        columns[f"loss_t2i_{view}"] = losses["t2i"]
+        columns[f"loss_triplet_{view}"] = losses["triplet"]
+        metadata[f"ncl.model_id.{view}"] = loaded.model_id
+        metadata[f"ncl.logit_scale.{view}"] = repr(logit_scale)
+    schema = embedding_schema(list(models), dim, metadata)
+    ordered = {name: columns[name] if name != "loss_batch" else batch_ids for name in schema.names}
+    table = pa.table(ordered, schema=schema)
+    write_table_atomic(table, layout.embeddings(spec.round_index, shard), schema)
+
+
+# ------------------------------------------------------------------------------------------
+# Driver side: the thin Ray Data wrapper.
+
+
+def run_embed_pass(
+    spec: EmbedSpec,
+    shard_paths: list[str],
+    *,
+    concurrency: int | str,
+    cpus_per_worker: float,
+    gpus_per_worker: float,
+    log=print,
+) -> dict:
+    """Embed every shard whose output is missing, on a Ray Data actor pool.
+
+    Returns the pass summary: counts (read, embedded, quarantined by reason), throughput and
+    failed shards, aggregated from the per-shard rows as they stream back. Shards already
+    complete are skipped and counted from their files' metadata only.
+    """
+    import ray
+
+    from pipeline.io.tables import file_exists
+    from pipeline.runtime import cluster_resources
+
+    layout = RunLayout(spec.output)
+    pending = [p for p in shard_paths if not file_exists(layout.embeddings(spec.round_index, shard_name(p)))]
+    skipped = len(shard_paths) - len(pending)
+    totals = Counter()
+    reasons: Counter = Counter()
+    ignored: Counter = Counter()
+    failed: list[dict] = []
+    started = time.perf_counter()
+    if skipped:
+        log(f"embed: {skipped} of {len(shard_paths)} shards already complete, skipped")
+    if pending:
+        cpus, gpus = cluster_resources()
+        use_gpus = gpus_per_worker if gpus > 0 else 0.0
+        if concurrency == "auto":
+            size = int(gpus // gpus_per_worker) if use_gpus else max(1, int(cpus // max(cpus_per_worker, 2)))
+        else:
+            size = int(concurrency)
+        size = max(1, min(size, len(pending)))
+        log(f"embed: {len(pending)} shards on {size} actor(s), "
+            f"{use_gpus or 0:g} GPU and {cpus_per_worker:g} CPU each")
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False  # one line per finished shard is clearer in logs
+        dataset = ray.data.from_items([{"path": p} for p in pending], override_num_blocks=len(pending))
+        summaries = dataset.map_batches(
+            EmbedShardStage,
+            fn_constructor_kwargs={"spec": spec},
+            batch_size=1,
+            compute=ray.data.ActorPoolStrategy(size=size),
+            num_cpus=cpus_per_worker,
+            num_gpus=use_gpus,
+        )
+        for done, row in enumerate(summaries.iter_rows(), start=1):
+            totals.update(
+                records=int(row["records"]), embedded=int(row["embedded"]),
+                quarantined=int(row["quarantined"]), short_batches=int(row["short_batches"]),
+            )
+            reasons.update(json.loads(row["reasons"]))
+            ignored.update(json.loads(row["ignored_members"]))
+            status = f"FAILED ({row['error']})" if row["error"] else "ok"
+            if row["error"]:
+                failed.append({"shard": row["shard"], "path": row["path"], "error": row["error"]})
+            elapsed = time.perf_counter() - started
+            log(f"  [{done}/{len(pending)}] {row['shard']}: {int(row['embedded'])} embedded, "
+                f"{int(row['quarantined'])} quarantined, {float(row['seconds']):.1f}s {status}; "
+                f"{totals['embedded'] / max(elapsed, 1e-9):.0f} pairs/s so far")
+    seconds = time.perf_counter() - started
+    return {
+        "round": spec.round_index,
+        "shards": len(shard_paths),
+        "shards_skipped": skipped,
+        "shards_failed": failed,
+        "records_read": totals["records"],
+        "embedded": totals["embedded"],
+        "quarantined": totals["quarantined"],
+        "quarantined_by_reason": dict(sorted(reasons.items())),
+        "ignored_members": dict(sorted(ignored.items())),
+        "short_loss_batches": totals["short_batches"],
+        "seconds": seconds,
+        "pairs_per_second": totals["embedded"] / seconds if seconds > 0 and pending else None,
+    }

@@ -1,0 +1,114 @@
+"""Per-sample losses against naive references (METHODS §1.2, §7)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.core.losses import fixed_size_loss_batches, infonce_per_sample, triplet_per_sample
+
+
+def _unit(rows: int, dim: int, seed: int) -> torch.Tensor:
+    x = torch.randn(rows, dim, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return torch.nn.functional.normalize(x, dim=1)
+
+
+def _naive_infonce(u, v, scale):
+    b = u.shape[0]
+    i2t, t2i = [], []
+    for i in range(b):
+        row = [math.exp(scale * float(u[i] @ v[j])) for j in range(b)]
+        col = [math.exp(scale * float(u[j] @ v[i])) for j in range(b)]
+        i2t.append(-math.log(row[i] / sum(row)))
+        t2i.append(-math.log(col[i] / sum(col)))
+    return np.array(i2t), np.array(t2i)
+
+
+def _naive_triplet(u, v, margin):
+    b = u.shape[0]
+    s = (u @ v.T).numpy()
+    out = np.zeros(b)
+    for i in range(b):
+        for j in range(b):
+            if j != i:
+                out[i] += max(0.0, margin - s[i, i] + s[i, j]) / b
+                out[i] += max(0.0, margin - s[i, i] + s[j, i]) / b
+    return out
+
+
+@given(b=st.integers(2, 12), d=st.integers(2, 16), seed=st.integers(0, 10_000),
+       scale=st.floats(1.0, 20.0))
+@settings(max_examples=40, deadline=None)
+def test_infonce_matches_naive_reference(b, d, seed, scale):
+    u, v = _unit(b, d, seed), _unit(b, d, seed + 1)
+    i2t, t2i = infonce_per_sample(u, v, scale)
+    ref_i2t, ref_t2i = _naive_infonce(u, v, scale)
+    assert i2t.dtype == torch.float32
+    np.testing.assert_allclose(i2t.numpy(), ref_i2t, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(t2i.numpy(), ref_t2i, rtol=1e-4, atol=1e-4)
+
+
+@given(b=st.integers(2, 64), d=st.integers(2, 32), seed=st.integers(0, 10_000))
+@settings(max_examples=30, deadline=None)
+def test_infonce_finite_at_clip_scale_even_for_identical_embeddings(b, d, seed):
+    u = _unit(b, d, seed).float()
+    for v in (u, u[:1].expand(b, d).contiguous()):  # identical pairs; all-identical texts
+        i2t, t2i = infonce_per_sample(u.half(), v.half(), 100.0)
+        assert torch.isfinite(i2t).all() and torch.isfinite(t2i).all()
+        assert (i2t >= -1e-4).all() and (t2i >= -1e-4).all()
+    # All-identical rows: every softmax is uniform, so each loss is exactly log b.
+    same = u[:1].expand(b, d)
+    i2t, _ = infonce_per_sample(same, same, 100.0)
+    np.testing.assert_allclose(i2t.numpy(), math.log(b), rtol=1e-5)
+
+
+@given(b=st.integers(2, 10), d=st.integers(2, 12), seed=st.integers(0, 10_000),
+       margin=st.floats(0.0, 1.0))
+@settings(max_examples=40, deadline=None)
+def test_triplet_matches_naive_reference(b, d, seed, margin):
+    u, v = _unit(b, d, seed), _unit(b, d, seed + 7)
+    got = triplet_per_sample(u, v, margin)
+    np.testing.assert_allclose(got.numpy(), _naive_triplet(u, v, margin), rtol=1e-5, atol=1e-6)
+
+
+@given(b=st.integers(2, 16), seed=st.integers(0, 10_000))
+@settings(max_examples=30, deadline=None)
+def test_losses_are_permutation_equivariant(b, seed):
+    u, v = _unit(b, 8, seed), _unit(b, 8, seed + 3)
+    perm = torch.randperm(b, generator=torch.Generator().manual_seed(seed))
+    i2t, t2i = infonce_per_sample(u, v, 10.0)
+    p_i2t, p_t2i = infonce_per_sample(u[perm], v[perm], 10.0)
+    torch.testing.assert_close(p_i2t, i2t[perm])
+    torch.testing.assert_close(p_t2i, t2i[perm])
+    torch.testing.assert_close(triplet_per_sample(u[perm], v[perm]), triplet_per_sample(u, v)[perm])
+
+
+@given(n=st.integers(1, 700), b=st.integers(2, 64), seed=st.integers(0, 1000))
+@settings(max_examples=60, deadline=None)
+def test_fixed_size_batches_score_every_sample_once(n, b, seed):
+    batches = fixed_size_loss_batches(n, b, np.random.default_rng(seed))
+    scored = np.concatenate([idx[:k] for idx, k in batches])
+    assert sorted(scored.tolist()) == list(range(n))
+    for indices, n_scored in batches:
+        assert len(indices) == (b if n >= b else n)
+        assert len(set(indices.tolist())) == len(indices)  # filler never repeats a member
+        assert 0 < n_scored <= len(indices)
+
+
+def test_fixed_size_batches_are_seeded():
+    a = fixed_size_loss_batches(1000, 256, np.random.default_rng(5))
+    b = fixed_size_loss_batches(1000, 256, np.random.default_rng(5))
+    c = fixed_size_loss_batches(1000, 256, np.random.default_rng(6))
+    assert all((x[0] == y[0]).all() for x, y in zip(a, b))
+    assert not all((x[0] == y[0]).all() for x, y in zip(a, c))
+    assert [k for _, k in a] == [256, 256, 256, 232]
+
+
+@pytest.mark.parametrize("n", [0])
+def test_fixed_size_batches_empty(n):
+    assert fixed_size_loss_batches(n, 8, np.random.default_rng(0)) == []
