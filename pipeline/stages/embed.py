@@ -313,7 +313,8 @@ def run_embed_pass(
     layout = RunLayout(spec.output)
     pending = [p for p in shard_paths if not file_exists(layout.embeddings(spec.round_index, shard_name(p)))]
     skipped = len(shard_paths) - len(pending)
-    totals = Counter()
+    totals: Counter = Counter()
+    actor_seconds = 0.0
     reasons: Counter = Counter()
     ignored: Counter = Counter()
     failed: list[dict] = []
@@ -346,6 +347,7 @@ def run_embed_pass(
                 records=int(row["records"]), embedded=int(row["embedded"]),
                 quarantined=int(row["quarantined"]), short_batches=int(row["short_batches"]),
             )
+            actor_seconds += float(row["seconds"])
             reasons.update(json.loads(row["reasons"]))
             ignored.update(json.loads(row["ignored_members"]))
             status = f"FAILED ({row['error']})" if row["error"] else "ok"
@@ -368,5 +370,6 @@ def run_embed_pass(
         "ignored_members": dict(sorted(ignored.items())),
         "short_loss_batches": totals["short_batches"],
         "seconds": seconds,
+        "actor_seconds": actor_seconds,  # summed per-shard busy time: throughput without start-up
         "pairs_per_second": totals["embedded"] / seconds if seconds > 0 and pending else None,
     }

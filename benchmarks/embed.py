@@ -1,0 +1,127 @@
+"""Embed-pass efficiency, as ratios measured side by side in one run (BENCHMARKS.md).
+
+Three ways to embed the same shards with the same model and batch size:
+  pipeline   our Ray Data embed pass (decode, preprocess, model, losses, Parquet write);
+  forward    the model's forward alone on tensors decoded and tokenised beforehand;
+  hand_loop  a plain webdataset + torch DataLoader loop (what clip-retrieval does), no write.
+Each is repeated; medians are reported. Prints one JSON line per figure.
+
+    python benchmarks/embed.py --corpus data/demo --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pipeline.runtime import apply_loopback_defaults  # noqa: E402
+
+apply_loopback_defaults()
+
+import torch  # noqa: E402
+
+from pipeline.io.shards import decode_record, iter_shard_records  # noqa: E402
+from pipeline.models import ModelSpec, encode_pairs, load_clip  # noqa: E402
+
+
+def emit(figure: str, **values) -> None:
+    print(json.dumps({"figure": figure, **values}), flush=True)
+
+
+def time_pipeline(shards, spec: ModelSpec, batch: int, threads: int, cpus: float) -> tuple[float, float]:
+    """(end-to-end pairs/s incl. actor start, steady pairs/s from per-shard busy time)."""
+    from pipeline.stages.embed import EmbedSpec, run_embed_pass
+
+    with tempfile.TemporaryDirectory() as out:
+        embed_spec = EmbedSpec(output=out, round_index=0, views={"a": spec}, batch_size=batch,
+                               seed=0, decode_threads=threads)
+        summary = run_embed_pass(embed_spec, shards, concurrency=1, cpus_per_worker=cpus,
+                                 gpus_per_worker=0, log=lambda _: None)
+        return (summary["embedded"] / summary["seconds"],
+                summary["embedded"] / summary["actor_seconds"])
+
+
+def predecode(shards, loaded):
+    images, captions = [], []
+    for path in shards:
+        for record in iter_shard_records(path):
+            sample = decode_record(record) if not hasattr(record, "reason") else record
+            if hasattr(sample, "image"):
+                images.append(loaded.preprocess(sample.image))
+                captions.append(sample.caption)
+    return torch.stack(images), loaded.tokenizer(captions)
+
+
+def time_forward(loaded, pixels, tokens, batch: int) -> float:
+    started = time.perf_counter()
+    for start in range(0, len(pixels), batch):
+        encode_pairs(loaded, pixels[start : start + batch], tokens[start : start + batch])
+    return len(pixels) / (time.perf_counter() - started)
+
+
+def time_hand_loop(shards, loaded, batch: int) -> float:
+    import webdataset as wds
+
+    dataset = (
+        wds.WebDataset(shards, shardshuffle=False, handler=wds.warn_and_continue)
+        .decode("pil", handler=wds.warn_and_continue)
+        .to_tuple("jpg", "txt", handler=wds.warn_and_continue)
+        .map_tuple(lambda im: loaded.preprocess(im.convert("RGB")), lambda t: t)
+    )
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch, num_workers=1)
+    count = 0
+    started = time.perf_counter()
+    for pixels, captions in loader:
+        encode_pairs(loaded, pixels, loaded.tokenizer(list(captions)))
+        count += len(captions)
+    return count / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--corpus", default="data/demo")
+    parser.add_argument("--model", default="ncl-tiny")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2, help="torch + decode threads")
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+
+    shards = sorted(glob.glob(os.path.join(args.corpus, "[0-9]*.tar")))
+    if not shards:
+        raise SystemExit(f"no shards in {args.corpus}: run `make demo` (or make-corpus) first")
+    torch.set_num_threads(args.threads)
+    spec = ModelSpec(name=args.model, pretrained=None, precision="fp32", seed=0)
+    loaded = load_clip(spec, "cpu")
+    pixels, tokens = predecode(shards, loaded)
+
+    from pipeline.runtime import init_ray
+
+    init_ray(None, num_cpus=args.threads)
+    results: dict[str, list[float]] = {"pipeline_e2e": [], "pipeline_steady": [], "forward": [],
+                                       "hand_loop": []}
+    for _ in range(args.reps):
+        e2e, steady = time_pipeline(shards, spec, args.batch, args.threads, args.threads)
+        results["pipeline_e2e"].append(e2e)
+        results["pipeline_steady"].append(steady)
+        results["forward"].append(time_forward(loaded, pixels, tokens, args.batch))
+        results["hand_loop"].append(time_hand_loop(shards, loaded, args.batch))
+    med = {name: statistics.median(values) for name, values in results.items()}
+    common = {"pairs": int(len(pixels)), "model": args.model, "batch": args.batch,
+              "reps": args.reps, "device": "cpu", "threads": args.threads}
+    for name, value in med.items():
+        emit(f"pairs_per_s.{name}", median=round(value, 1), **common)
+    emit("embed_efficiency", ratio=round(med["pipeline_steady"] / med["forward"], 3),
+         ratio_end_to_end=round(med["pipeline_e2e"] / med["forward"], 3), bar=0.85, **common)
+    emit("embed_vs_hand_loop", ratio=round(med["pipeline_steady"] / med["hand_loop"], 3),
+         ratio_end_to_end=round(med["pipeline_e2e"] / med["hand_loop"], 3), bar=1.0, **common)
+
+
+if __name__ == "__main__":
+    main()

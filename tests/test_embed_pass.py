@@ -1,0 +1,148 @@
+"""The embed pass on a real local Ray: outputs, quarantine reconciliation, resume, conflicts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import load_job
+from pipeline.data.synthetic import make_corpus
+from pipeline.io.shards import iter_shard_records
+from pipeline.runner import RunConflictError, run_job
+from tests.shard_fixtures import write_corrupt_shard
+
+pytestmark = pytest.mark.ray
+
+JOB = """
+name: embed-test
+input: {{shards: {shards}}}
+output: {output}
+model: {{name: ncl-tiny, pretrained: null}}
+embed: {{batch_size: 16, gpus_per_worker: 0, cpus_per_worker: 1, decode_threads: 2, concurrency: 2}}
+seed: 3
+"""
+
+
+def _all_keys(paths: list[str]) -> set[str]:
+    keys = set()
+    for path in paths:
+        for item in iter_shard_records(path):
+            if getattr(item, "key", None) is not None:
+                keys.add(item.key)
+    return keys
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("corpus")
+    summary = make_corpus(root / "demo", samples=90, noise=0.4, partial=0.1, seed=1,
+                          samples_per_shard=30, test_samples=10, corrupt=0.05)
+    expected = write_corrupt_shard(str(root / "bad" / "00077.tar"))
+    garbage = root / "bad" / "00078.tar"
+    garbage.write_bytes(b"this is not a tar archive at all" * 10)
+    shards = [str(p) for p in summary.shards] + [str(root / "bad" / "00077.tar"), str(garbage)]
+    return {"root": root, "shards": shards, "corrupt_expected": expected, "garbage": str(garbage)}
+
+
+def _write_job(tmp_path: Path, shards: list[str], name: str = "run") -> Path:
+    job = tmp_path / f"{name}.yaml"
+    job.write_text(JOB.format(shards="[" + ", ".join(shards) + "]", output=tmp_path / name))
+    return job
+
+
+def test_embed_pass_writes_tables_that_reconcile(local_ray, corpus, tmp_path):
+    job = load_job(_write_job(tmp_path, corpus["shards"]))
+    metrics = run_job(job, log=lambda _: None)
+    embed = metrics["rounds"]["0"]["embed"]
+    out = Path(job.output)
+
+    embeddings = ds.dataset(out / "rounds" / "0" / "embeddings", format="parquet").to_table()
+    quarantine = ds.dataset(out / "quarantine", format="parquet").to_table()
+    assert embeddings.num_rows == embed["embedded"]
+    assert quarantine.num_rows == embed["quarantined"]
+
+    # Every sample of the input is in exactly one of the two tables.
+    emb_keys = embeddings.column("key").to_pylist()
+    q_keys = [k for k in quarantine.column("key").to_pylist() if k is not None]
+    assert len(set(emb_keys)) == len(emb_keys)
+    assert not set(emb_keys) & set(q_keys)
+    good_shards = corpus["shards"][:-1]
+    assert set(emb_keys) | set(q_keys) >= _all_keys(good_shards)
+
+    # The corrupt fixture shard: its reasons are all there, counted exactly.
+    bad = quarantine.filter(pa.compute.equal(quarantine.column("shard"), "00077")).to_pandas()
+    expected = corpus["corrupt_expected"]
+    assert bad["reason"].astype(str).value_counts().to_dict() == expected["reasons"]
+    bad_emb = embeddings.filter(pa.compute.equal(embeddings.column("shard"), "00077"))
+    assert bad_emb.num_rows == expected["good"]
+
+    # The unreadable shard is reported with its path, not embedded, and quarantined as a shard.
+    assert [f["path"] for f in embed["shards_failed"]] == [corpus["garbage"]]
+    garbage_rows = quarantine.filter(pa.compute.equal(quarantine.column("shard"), "00078"))
+    assert garbage_rows.column("reason").to_pylist() == ["unreadable_shard"]
+    assert not (out / "rounds" / "0" / "embeddings" / "00078.parquet").exists()
+
+    # Schema and values.
+    schema = pq.read_schema(out / "rounds" / "0" / "embeddings" / "00000.parquet")
+    assert schema.field("image_embedding_a").type == pa.list_(pa.float16(), 128)
+    assert schema.metadata[b"ncl.schema"] == b"embeddings.v1"
+    image = np.stack(embeddings.column("image_embedding_a").to_numpy(zero_copy_only=False)).astype(np.float32)
+    np.testing.assert_allclose(np.linalg.norm(image, axis=1), 1.0, atol=2e-3)
+    for column in ("loss_i2t_a", "loss_t2i_a", "loss_triplet_a", "cosine_a"):
+        values = embeddings.column(column).to_numpy()
+        assert np.isfinite(values).all(), column
+    assert (embeddings.column("loss_batch").to_numpy() >= 0).all()
+    # With b = 16 negatives, an untrained model's InfoNCE sits near log(16).
+    assert abs(np.median(embeddings.column("loss_i2t_a").to_numpy()) - np.log(16)) < 0.5
+    assert embed["records_read"] == embed["embedded"] + embed["quarantined"] - 1  # + unreadable
+
+
+def test_rerun_skips_complete_shards_and_redoes_partial_ones(local_ray, corpus, tmp_path):
+    shards = corpus["shards"][:3]
+    job = load_job(_write_job(tmp_path, shards))
+    first = run_job(job, log=lambda _: None)["rounds"]["0"]["embed"]
+    emb_dir = Path(job.output) / "rounds" / "0" / "embeddings"
+    done = emb_dir / "00001.parquet"
+    before = {p.name: p.stat().st_mtime_ns for p in emb_dir.glob("*.parquet")}
+
+    again = run_job(job, log=lambda _: None)["rounds"]["0"]["embed"]
+    assert again["shards_skipped"] == 3 and again["embedded"] == 0
+    assert {p.name: p.stat().st_mtime_ns for p in emb_dir.glob("*.parquet")} == before
+
+    # A crash mid-write leaves only a temporary file: the shard is recomputed, identically.
+    reference = pq.read_table(done)
+    done.unlink()
+    (emb_dir / "00001.parquet.tmp-deadbeef").write_bytes(b"partial")
+    third = run_job(job, log=lambda _: None)["rounds"]["0"]["embed"]
+    assert third["shards_skipped"] == 2 and third["embedded"] == reference.num_rows
+    assert pq.read_table(done).equals(reference)
+    assert first["embedded"] == sum(pq.read_metadata(p).num_rows for p in emb_dir.glob("*.parquet"))
+
+
+def test_changed_configuration_refuses_to_resume(local_ray, corpus, tmp_path):
+    path = _write_job(tmp_path, corpus["shards"][:1])
+    run_job(load_job(path), log=lambda _: None)
+    with pytest.raises(RunConflictError, match="different configuration"):
+        run_job(load_job(path, ["seed=4"]), log=lambda _: None)
+
+
+def test_local_ray_listens_on_loopback_only(local_ray):
+    import psutil
+
+    ray_pids = {
+        p.pid for p in psutil.process_iter(["cmdline"])
+        if any("ray" in part for part in (p.info["cmdline"] or []))
+    }
+    listening = [
+        c for c in psutil.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.pid in ray_pids and c.pid != os.getpid()
+    ]
+    assert listening, "expected Ray processes to listen on some port"
+    exposed = [(c.laddr.ip, c.laddr.port) for c in listening if c.laddr.ip not in ("127.0.0.1", "::1")]
+    assert not exposed, f"Ray listens beyond loopback: {exposed}"
