@@ -35,17 +35,33 @@ def emit(figure: str, **values) -> None:
     print(json.dumps({"figure": figure, **values}), flush=True)
 
 
-def time_pipeline(shards, spec: ModelSpec, batch: int, threads: int, cpus: float) -> tuple[float, float]:
+def time_pipeline(
+    shards, spec: ModelSpec, batch: int, threads: int, cpus: float
+) -> tuple[float, float]:
     """(end-to-end pairs/s incl. actor start, steady pairs/s from per-shard busy time)."""
     from pipeline.stages.embed import EmbedSpec, run_embed_pass
 
     with tempfile.TemporaryDirectory() as out:
-        embed_spec = EmbedSpec(output=out, round_index=0, views={"a": spec}, batch_size=batch,
-                               seed=0, decode_threads=threads)
-        summary = run_embed_pass(embed_spec, shards, concurrency=1, cpus_per_worker=cpus,
-                                 gpus_per_worker=0, log=lambda _: None)
-        return (summary["embedded"] / summary["seconds"],
-                summary["embedded"] / summary["actor_seconds"])
+        embed_spec = EmbedSpec(
+            output=out,
+            round_index=0,
+            views={"a": spec},
+            batch_size=batch,
+            seed=0,
+            decode_threads=threads,
+        )
+        summary = run_embed_pass(
+            embed_spec,
+            shards,
+            concurrency=1,
+            cpus_per_worker=cpus,
+            gpus_per_worker=0,
+            log=lambda _: None,
+        )
+        return (
+            summary["embedded"] / summary["seconds"],
+            summary["embedded"] / summary["actor_seconds"],
+        )
 
 
 def predecode(shards, loaded):
@@ -104,8 +120,12 @@ def main() -> None:
     from pipeline.runtime import init_ray
 
     init_ray(None, num_cpus=args.threads)
-    results: dict[str, list[float]] = {"pipeline_e2e": [], "pipeline_steady": [], "forward": [],
-                                       "hand_loop": []}
+    results: dict[str, list[float]] = {
+        "pipeline_e2e": [],
+        "pipeline_steady": [],
+        "forward": [],
+        "hand_loop": [],
+    }
     for _ in range(args.reps):
         e2e, steady = time_pipeline(shards, spec, args.batch, args.threads, args.threads)
         results["pipeline_e2e"].append(e2e)
@@ -113,14 +133,30 @@ def main() -> None:
         results["forward"].append(time_forward(loaded, pixels, tokens, args.batch))
         results["hand_loop"].append(time_hand_loop(shards, loaded, args.batch))
     med = {name: statistics.median(values) for name, values in results.items()}
-    common = {"pairs": int(len(pixels)), "model": args.model, "batch": args.batch,
-              "reps": args.reps, "device": "cpu", "threads": args.threads}
+    common = {
+        "pairs": int(len(pixels)),
+        "model": args.model,
+        "batch": args.batch,
+        "reps": args.reps,
+        "device": "cpu",
+        "threads": args.threads,
+    }
     for name, value in med.items():
         emit(f"pairs_per_s.{name}", median=round(value, 1), **common)
-    emit("embed_efficiency", ratio=round(med["pipeline_steady"] / med["forward"], 3),
-         ratio_end_to_end=round(med["pipeline_e2e"] / med["forward"], 3), bar=0.85, **common)
-    emit("embed_vs_hand_loop", ratio=round(med["pipeline_steady"] / med["hand_loop"], 3),
-         ratio_end_to_end=round(med["pipeline_e2e"] / med["hand_loop"], 3), bar=1.0, **common)
+    emit(
+        "embed_efficiency",
+        ratio=round(med["pipeline_steady"] / med["forward"], 3),
+        ratio_end_to_end=round(med["pipeline_e2e"] / med["forward"], 3),
+        bar=0.85,
+        **common,
+    )
+    emit(
+        "embed_vs_hand_loop",
+        ratio=round(med["pipeline_steady"] / med["hand_loop"], 3),
+        ratio_end_to_end=round(med["pipeline_e2e"] / med["hand_loop"], 3),
+        bar=1.0,
+        **common,
+    )
 
 
 if __name__ == "__main__":

@@ -12,11 +12,6 @@ from pathlib import Path
 
 import typer
 
-from pipeline.runtime import apply_loopback_defaults
-
-# Before anything imports Ray or huggingface_hub: loopback-only local Ray, no telemetry.
-apply_loopback_defaults()
-
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -104,9 +99,15 @@ def make_corpus_command(
 
     try:
         summary = make_corpus(
-            out, samples=samples, noise=noise, partial=partial, seed=seed,
-            samples_per_shard=samples_per_shard, test_samples=test_samples,
-            image_size=image_size, corrupt=corrupt,
+            out,
+            samples=samples,
+            noise=noise,
+            partial=partial,
+            seed=seed,
+            samples_per_shard=samples_per_shard,
+            test_samples=test_samples,
+            image_size=image_size,
+            corrupt=corrupt,
         )
     except ValueError as exc:
         _fail(str(exc))
@@ -121,7 +122,9 @@ def make_corpus_command(
 def submit(
     job_file: Path = typer.Argument(..., help="Job YAML to run on the cluster."),
     address: str = typer.Option(
-        None, "--address", envvar="RAY_API_SERVER_ADDRESS",
+        None,
+        "--address",
+        envvar="RAY_API_SERVER_ADDRESS",
         help="Ray dashboard / Jobs API address, e.g. http://head:8265.",
     ),
     overrides: list[str] = typer.Option(None, "--set", help=SET_HELP),

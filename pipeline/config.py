@@ -196,10 +196,14 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 def _section_model(annotation: Any) -> type[BaseModel] | None:
-    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return (
+        annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    )
 
 
-def _field_path(loc: tuple[Any, ...], unknown_last: bool) -> tuple[list[str], type[BaseModel] | None]:
+def _field_path(
+    loc: tuple[Any, ...], unknown_last: bool
+) -> tuple[list[str], type[BaseModel] | None]:
     """Keep the real field names of a pydantic error location.
 
     pydantic appends union-branch tags such as 'int' or "literal['auto']" to `loc`; those are
@@ -283,7 +287,9 @@ def load_job(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
     except yaml.YAMLError as exc:
         raise JobConfigError(f"job file '{path}' is not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
-        raise JobConfigError(f"job file '{path}' must be a YAML mapping of sections (name, input, ...)")
+        raise JobConfigError(
+            f"job file '{path}' must be a YAML mapping of sections (name, input, ...)"
+        )
     merged = _merge(raw, parse_overrides(overrides))
     try:
         return JobConfig.model_validate(merged)

@@ -97,7 +97,10 @@ def run_job(job: JobConfig, log: Callable[[str], None] = print) -> dict:
     manifest = _check_resume(job, layout)
 
     where = init_ray(job.ray.address, job.ray.num_cpus)
-    log(f"ncl-pipeline: job '{job.name}', {len(shard_paths)} shards, {where}, output {layout.output}")
+    log(
+        f"ncl-pipeline: job '{job.name}', {len(shard_paths)} shards, {where}, "
+        f"output {layout.output}"
+    )
     manifest.update(
         {
             "job_name": job.name,
@@ -164,6 +167,10 @@ def _print_summary(embed: dict, layout: RunLayout, log: Callable[[str], None]) -
         log(f"  ignored tar members (never decoded): {ignored}")
     if rate:
         log(f"  throughput:   {rate:.0f} pairs/s over {embed['seconds']:.1f}s")
+    for broken in embed["shards_truncated"]:
+        log(
+            f"  TRUNCATED shard {broken['path']}: {broken['error']} (samples before the break kept)"
+        )
     for failure in embed["shards_failed"]:
         log(f"  FAILED shard {failure['path']}: {failure['error']} (rerun to retry)")
     log(f"  outputs:      {layout.embeddings_dir(0)}/, {layout.quarantine_dir}/, {layout.metrics}")

@@ -2,9 +2,10 @@
 
 Contract: `init_ray(None)` starts a private local Ray whose every port listens on loopback
 (STACK.md: Ray's local-only mode, `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`), with usage stats off.
-`init_ray(address)` or `RAY_ADDRESS` joins an existing cluster instead. Importing this module
-sets the loopback defaults in the environment (without overriding explicit user settings), so
-the raylet and workers that Ray spawns inherit them.
+`init_ray(address)` or `RAY_ADDRESS` joins an existing cluster instead, and then the loopback
+mode is NOT applied: a driver on a cluster node must advertise its real address. The defaults
+go into the environment (without overriding explicit user settings) before Ray is imported,
+so the raylet and workers that Ray spawns inherit them.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     Returns:
         A short description of where the job runs, for the log.
     """
-    apply_loopback_defaults()
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if not address:
+        apply_loopback_defaults()
     import ray
 
-    address = address or os.environ.get("RAY_ADDRESS") or None
     if ray.is_initialized():
         return "existing Ray session"
     if address:

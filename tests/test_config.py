@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from pipeline.config import JobConfigError, load_job, parse_overrides
 from pipeline.schemas import generated_schemas, render
@@ -31,13 +32,21 @@ def _job(tmp_path: Path, text: str = MINIMAL) -> Path:
 def test_minimal_job_gets_defaults_and_is_frozen(tmp_path):
     job = load_job(_job(tmp_path))
     assert job.embed.batch_size == 256 and job.labels.method == "bicro" and job.ray.address is None
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         job.embed.batch_size = 3  # frozen
 
 
 def test_overrides_are_typed_and_nested(tmp_path):
-    job = load_job(_job(tmp_path), ["labels.method=rcr", "train.rounds=0", "embed.concurrency=3",
-                                    "input.shards=[a.tar, b.tar]", "eval.ground_truth=null"])
+    job = load_job(
+        _job(tmp_path),
+        [
+            "labels.method=rcr",
+            "train.rounds=0",
+            "embed.concurrency=3",
+            "input.shards=[a.tar, b.tar]",
+            "eval.ground_truth=null",
+        ],
+    )
     assert job.labels.method == "rcr" and job.train.rounds == 0 and job.embed.concurrency == 3
     assert job.input.shards == ["a.tar", "b.tar"] and job.eval.ground_truth is None
     assert parse_overrides(["a.b.c=1", "a.b.d=x"]) == {"a": {"b": {"c": 1, "d": "x"}}}
@@ -46,7 +55,10 @@ def test_overrides_are_typed_and_nested(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["embed.batchsize=3"], ["unknown key 'embed.batchsize'", "did you mean 'embed.batch_size'"]),
+        (
+            ["embed.batchsize=3"],
+            ["unknown key 'embed.batchsize'", "did you mean 'embed.batch_size'"],
+        ),
         (["labels.method=foo"], ["'labels.method'", '"foo"', "'bicro'", "--set labels.method="]),
         (["train.rounds=-1"], ["'train.rounds'", "-1", "greater than or equal to 0"]),
         (["model.precision=fp8"], ["'model.precision'", '"fp8"']),
@@ -99,14 +111,22 @@ def test_shipped_jobs_validate(name):
 def test_cc3m_job_is_the_real_gpu_setting():
     job = load_job(ROOT / "jobs" / "cc3m.yaml")
     assert (job.model.name, job.model.pretrained, job.model.precision) == (
-        "ViT-B-32", "laion2b_s34b_b79k", "bf16")
+        "ViT-B-32",
+        "laion2b_s34b_b79k",
+        "bf16",
+    )
     assert job.embed.gpus_per_worker == 1
     assert job.input.shards == "/data/cc3m/{00000..00331}.tar"
 
 
 def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_validate_reports_errors_without_traceback(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 
@@ -10,12 +11,12 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
+from shard_fixtures import write_corrupt_shard
 
 from pipeline.config import load_job
 from pipeline.data.synthetic import make_corpus
-from pipeline.io.shards import iter_shard_records
+from pipeline.io.shards import iter_shard_records, shard_name
 from pipeline.runner import RunConflictError, run_job
-from tests.shard_fixtures import write_corrupt_shard
 
 pytestmark = pytest.mark.ray
 
@@ -29,20 +30,29 @@ seed: 3
 """
 
 
-def _all_keys(paths: list[str]) -> set[str]:
+def _all_keys(paths: list[str]) -> set[tuple[str, str]]:
+    """(shard, key) of every sample group in the shards, read independently of the stage."""
     keys = set()
     for path in paths:
         for item in iter_shard_records(path):
-            if getattr(item, "key", None) is not None:
-                keys.add(item.key)
+            if item.key is not None:
+                keys.add((shard_name(path), item.key))
     return keys
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("corpus")
-    summary = make_corpus(root / "demo", samples=90, noise=0.4, partial=0.1, seed=1,
-                          samples_per_shard=30, test_samples=10, corrupt=0.05)
+    summary = make_corpus(
+        root / "demo",
+        samples=90,
+        noise=0.4,
+        partial=0.1,
+        seed=1,
+        samples_per_shard=30,
+        test_samples=10,
+        corrupt=0.05,
+    )
     expected = write_corrupt_shard(str(root / "bad" / "00077.tar"))
     garbage = root / "bad" / "00078.tar"
     garbage.write_bytes(b"this is not a tar archive at all" * 10)
@@ -68,12 +78,26 @@ def test_embed_pass_writes_tables_that_reconcile(local_ray, corpus, tmp_path):
     assert quarantine.num_rows == embed["quarantined"]
 
     # Every sample of the input is in exactly one of the two tables.
-    emb_keys = embeddings.column("key").to_pylist()
-    q_keys = [k for k in quarantine.column("key").to_pylist() if k is not None]
+    # (The fixture shard reuses keys of shard 00000, so identity here is (shard, key).)
+    emb_keys = list(
+        zip(
+            embeddings.column("shard").to_pylist(),
+            embeddings.column("key").to_pylist(),
+            strict=True,
+        )
+    )
+    q_rows = quarantine.to_pylist()
+    q_keys = [
+        (r["shard"], r["key"])
+        for r in q_rows
+        if r["key"] is not None and r["reason"] != "duplicate_key"
+    ]
     assert len(set(emb_keys)) == len(emb_keys)
     assert not set(emb_keys) & set(q_keys)
-    good_shards = corpus["shards"][:-1]
-    assert set(emb_keys) | set(q_keys) >= _all_keys(good_shards)
+    # A repeated key keeps its first sample; the repeat is quarantined under the same key.
+    duplicates = {(r["shard"], r["key"]) for r in q_rows if r["reason"] == "duplicate_key"}
+    assert duplicates and duplicates <= set(emb_keys)
+    assert set(emb_keys) | set(q_keys) == _all_keys(corpus["shards"][:-1])
 
     # The corrupt fixture shard: its reasons are all there, counted exactly.
     bad = quarantine.filter(pa.compute.equal(quarantine.column("shard"), "00077")).to_pandas()
@@ -92,7 +116,9 @@ def test_embed_pass_writes_tables_that_reconcile(local_ray, corpus, tmp_path):
     schema = pq.read_schema(out / "rounds" / "0" / "embeddings" / "00000.parquet")
     assert schema.field("image_embedding_a").type == pa.list_(pa.float16(), 128)
     assert schema.metadata[b"ncl.schema"] == b"embeddings.v1"
-    image = np.stack(embeddings.column("image_embedding_a").to_numpy(zero_copy_only=False)).astype(np.float32)
+    image = np.stack(embeddings.column("image_embedding_a").to_numpy(zero_copy_only=False)).astype(
+        np.float32
+    )
     np.testing.assert_allclose(np.linalg.norm(image, axis=1), 1.0, atol=2e-3)
     for column in ("loss_i2t_a", "loss_t2i_a", "loss_triplet_a", "cosine_a"):
         values = embeddings.column(column).to_numpy()
@@ -132,17 +158,25 @@ def test_changed_configuration_refuses_to_resume(local_ray, corpus, tmp_path):
         run_job(load_job(path, ["seed=4"]), log=lambda _: None)
 
 
+def _is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)  # '::ffff:127.0.0.1' is IPv4 loopback
+    return (mapped or address).is_loopback
+
+
 def test_local_ray_listens_on_loopback_only(local_ray):
     import psutil
 
     ray_pids = {
-        p.pid for p in psutil.process_iter(["cmdline"])
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
         if any("ray" in part for part in (p.info["cmdline"] or []))
     }
     listening = [
-        c for c in psutil.net_connections(kind="inet")
+        c
+        for c in psutil.net_connections(kind="inet")
         if c.status == psutil.CONN_LISTEN and c.pid in ray_pids and c.pid != os.getpid()
     ]
     assert listening, "expected Ray processes to listen on some port"
-    exposed = [(c.laddr.ip, c.laddr.port) for c in listening if c.laddr.ip not in ("127.0.0.1", "::1")]
+    exposed = [(c.laddr.ip, c.laddr.port) for c in listening if not _is_loopback(c.laddr.ip)]
     assert not exposed, f"Ray listens beyond loopback: {exposed}"

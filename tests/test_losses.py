@@ -41,8 +41,12 @@ def _naive_triplet(u, v, margin):
     return out
 
 
-@given(b=st.integers(2, 12), d=st.integers(2, 16), seed=st.integers(0, 10_000),
-       scale=st.floats(1.0, 20.0))
+@given(
+    b=st.integers(2, 12),
+    d=st.integers(2, 16),
+    seed=st.integers(0, 10_000),
+    scale=st.floats(1.0, 20.0),
+)
 @settings(max_examples=40, deadline=None)
 def test_infonce_matches_naive_reference(b, d, seed, scale):
     u, v = _unit(b, d, seed), _unit(b, d, seed + 1)
@@ -67,8 +71,12 @@ def test_infonce_finite_at_clip_scale_even_for_identical_embeddings(b, d, seed):
     np.testing.assert_allclose(i2t.numpy(), math.log(b), rtol=1e-5)
 
 
-@given(b=st.integers(2, 10), d=st.integers(2, 12), seed=st.integers(0, 10_000),
-       margin=st.floats(0.0, 1.0))
+@given(
+    b=st.integers(2, 10),
+    d=st.integers(2, 12),
+    seed=st.integers(0, 10_000),
+    margin=st.floats(0.0, 1.0),
+)
 @settings(max_examples=40, deadline=None)
 def test_triplet_matches_naive_reference(b, d, seed, margin):
     u, v = _unit(b, d, seed), _unit(b, d, seed + 7)
@@ -104,8 +112,8 @@ def test_fixed_size_batches_are_seeded():
     a = fixed_size_loss_batches(1000, 256, np.random.default_rng(5))
     b = fixed_size_loss_batches(1000, 256, np.random.default_rng(5))
     c = fixed_size_loss_batches(1000, 256, np.random.default_rng(6))
-    assert all((x[0] == y[0]).all() for x, y in zip(a, b))
-    assert not all((x[0] == y[0]).all() for x, y in zip(a, c))
+    assert all((x[0] == y[0]).all() for x, y in zip(a, b, strict=True))
+    assert not all((x[0] == y[0]).all() for x, y in zip(a, c, strict=True))
     assert [k for _, k in a] == [256, 256, 256, 232]
 
 

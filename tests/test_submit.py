@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -31,39 +32,71 @@ def head(tmp_path_factory):
     gcs_port, dash_port = _free_port(), _free_port()
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     subprocess.run(
-        [str(BIN / "ray"), "start", "--head", f"--port={gcs_port}", "--num-cpus=2",
-         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
-         f"--temp-dir={temp_dir}", "--disable-usage-stats"],
-        check=True, env=env, capture_output=True, text=True, timeout=180,
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            f"--port={gcs_port}",
+            "--num-cpus=2",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash_port}",
+            f"--temp-dir={temp_dir}",
+            "--disable-usage-stats",
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     yield f"http://127.0.0.1:{dash_port}"
     for proc in psutil.process_iter(["cmdline"]):
         if any(str(temp_dir) in part for part in (proc.info["cmdline"] or [])):
-            try:
+            with contextlib.suppress(psutil.Error):
                 proc.kill()
-            except psutil.Error:
-                pass
 
 
 def _submit(args: list[str], env_extra: dict[str, str]) -> subprocess.CompletedProcess:
     env = {**os.environ, **env_extra}
-    return subprocess.run([str(BIN / "ncl-pipeline"), "submit", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [str(BIN / "ncl-pipeline"), "submit", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_submit_runs_the_demo_job_on_the_cluster(head, tmp_path):
-    corpus = make_corpus(tmp_path / "corpus", samples=60, samples_per_shard=30, test_samples=10,
-                         seed=2)
+    corpus = make_corpus(
+        tmp_path / "corpus", samples=60, samples_per_shard=30, test_samples=10, seed=2
+    )
     out = tmp_path / "run"
-    args = ["jobs/demo.yaml", "--address", head, "--follow",
-            "--set", f"input.shards={tmp_path}/corpus/{{00000..00001}}.tar",
-            "--set", f"output={out}", "--set", "embed.batch_size=16",
-            "--set", "eval.ground_truth=null", "--set", "eval.test_shards=null"]
+    args = [
+        "jobs/demo.yaml",
+        "--address",
+        head,
+        "--follow",
+        "--set",
+        f"input.shards={tmp_path}/corpus/{{00000..00001}}.tar",
+        "--set",
+        f"output={out}",
+        "--set",
+        "embed.batch_size=16",
+        "--set",
+        "eval.ground_truth=null",
+        "--set",
+        "eval.test_shards=null",
+    ]
     result = _submit(args, {"RAY_AUTH_MODE": "token"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "SUCCEEDED" in result.stdout
     assert sorted(p.name for p in (out / "rounds" / "0" / "embeddings").glob("*.parquet")) == [
-        "00000.parquet", "00001.parquet"]
+        "00000.parquet",
+        "00001.parquet",
+    ]
     assert len(corpus.shards) == 2
 
 
@@ -75,5 +108,7 @@ def test_submit_explains_a_missing_token(head, tmp_path):
 
 
 def test_submit_rejects_an_invalid_job_before_contacting_the_cluster(tmp_path):
-    result = _submit(["jobs/demo.yaml", "--address", "http://127.0.0.1:9", "--set", "labels.method=x"], {})
+    result = _submit(
+        ["jobs/demo.yaml", "--address", "http://127.0.0.1:9", "--set", "labels.method=x"], {}
+    )
     assert result.returncode == 2 and "labels.method" in result.stderr

@@ -39,8 +39,9 @@ QUARANTINE_SCHEMA = pa.schema(
 )
 
 
-
-def embedding_schema(views: Sequence[str], dim: int, metadata: Mapping[str, str] | None = None) -> pa.Schema:
+def embedding_schema(
+    views: Sequence[str], dim: int, metadata: Mapping[str, str] | None = None
+) -> pa.Schema:
     """Schema of `rounds/<r>/embeddings/<shard>.parquet`.
 
     Embeddings are fp16 fixed-size lists (DESIGN §5: ~13 GB for CC3M, two views); scalars are

@@ -56,7 +56,8 @@ SUMMARY_COLUMNS = (
     "ignored_members",  # JSON object: member extension -> count
     "short_batches",  # 1 when the shard had fewer samples than the loss batch
     "seconds",
-    "error",
+    "error",  # the shard could not be read at all: nothing written but quarantine; rerun retries
+    "warning",  # the tar broke part-way: samples before the break are kept, the break quarantined
 )
 
 
@@ -217,8 +218,9 @@ def embed_shard(
 
     n = len(buffers.keys)
     if spec.write_quarantine:
-        write_table_atomic(_quarantine_table(buffers.rejections), layout.quarantine(shard),
-                           QUARANTINE_SCHEMA)
+        write_table_atomic(
+            _quarantine_table(buffers.rejections), layout.quarantine(shard), QUARANTINE_SCHEMA
+        )
     if not error:
         _write_embeddings(shard, spec, models, buffers, layout)
 
@@ -234,6 +236,7 @@ def embed_shard(
         "short_batches": int(0 < n < spec.batch_size),
         "seconds": time.perf_counter() - started,
         "error": error,
+        "warning": "" if error else (stats.error or ""),
     }
 
 
@@ -262,14 +265,13 @@ def _write_embeddings(
     dim = 0
     batch_ids = np.zeros(n, dtype=np.int32)
     for view, loaded in models.items():
-        dim = int(loaded.embed_dim)
+        dim, logit_scale = loaded.embed_dim, loaded.logit_scale
         if n:
             image_emb = torch.cat(buffers.image_embeddings[view])  # (N, D) float32
             text_emb = torch.cat(buffers.text_embeddings[view])
         else:
             image_emb = torch.zeros((0, dim))
             text_emb = torch.zeros((0, dim))
-        logit_scale = loaded.logit_scale
         losses = _losses(image_emb, text_emb, logit_scale, batches)
         batch_ids = losses["batch"]
         columns[f"image_embedding_{view}"] = _fixed_list(image_emb.numpy())
@@ -311,13 +313,18 @@ def run_embed_pass(
     from pipeline.runtime import cluster_resources
 
     layout = RunLayout(spec.output)
-    pending = [p for p in shard_paths if not file_exists(layout.embeddings(spec.round_index, shard_name(p)))]
+    pending = [
+        p
+        for p in shard_paths
+        if not file_exists(layout.embeddings(spec.round_index, shard_name(p)))
+    ]
     skipped = len(shard_paths) - len(pending)
     totals: Counter = Counter()
     actor_seconds = 0.0
     reasons: Counter = Counter()
     ignored: Counter = Counter()
     failed: list[dict] = []
+    truncated: list[dict] = []
     started = time.perf_counter()
     if skipped:
         log(f"embed: {skipped} of {len(shard_paths)} shards already complete, skipped")
@@ -325,15 +332,23 @@ def run_embed_pass(
         cpus, gpus = cluster_resources()
         use_gpus = gpus_per_worker if gpus > 0 else 0.0
         if concurrency == "auto":
-            size = int(gpus // gpus_per_worker) if use_gpus else max(1, int(cpus // max(cpus_per_worker, 2)))
+            size = (
+                int(gpus // gpus_per_worker)
+                if use_gpus
+                else max(1, int(cpus // max(cpus_per_worker, 2)))
+            )
         else:
             size = int(concurrency)
         size = max(1, min(size, len(pending)))
-        log(f"embed: {len(pending)} shards on {size} actor(s), "
-            f"{use_gpus or 0:g} GPU and {cpus_per_worker:g} CPU each")
+        log(
+            f"embed: {len(pending)} shards on {size} actor(s), "
+            f"{use_gpus or 0:g} GPU and {cpus_per_worker:g} CPU each"
+        )
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False  # one line per finished shard is clearer in logs
-        dataset = ray.data.from_items([{"path": p} for p in pending], override_num_blocks=len(pending))
+        dataset = ray.data.from_items(
+            [{"path": p} for p in pending], override_num_blocks=len(pending)
+        )
         summaries = dataset.map_batches(
             EmbedShardStage,
             fn_constructor_kwargs={"spec": spec},
@@ -344,8 +359,10 @@ def run_embed_pass(
         )
         for done, row in enumerate(summaries.iter_rows(), start=1):
             totals.update(
-                records=int(row["records"]), embedded=int(row["embedded"]),
-                quarantined=int(row["quarantined"]), short_batches=int(row["short_batches"]),
+                records=int(row["records"]),
+                embedded=int(row["embedded"]),
+                quarantined=int(row["quarantined"]),
+                short_batches=int(row["short_batches"]),
             )
             actor_seconds += float(row["seconds"])
             reasons.update(json.loads(row["reasons"]))
@@ -353,16 +370,24 @@ def run_embed_pass(
             status = f"FAILED ({row['error']})" if row["error"] else "ok"
             if row["error"]:
                 failed.append({"shard": row["shard"], "path": row["path"], "error": row["error"]})
+            elif row["warning"]:
+                status = f"TRUNCATED ({row['warning']})"
+                truncated.append(
+                    {"shard": row["shard"], "path": row["path"], "error": row["warning"]}
+                )
             elapsed = time.perf_counter() - started
-            log(f"  [{done}/{len(pending)}] {row['shard']}: {int(row['embedded'])} embedded, "
+            log(
+                f"  [{done}/{len(pending)}] {row['shard']}: {int(row['embedded'])} embedded, "
                 f"{int(row['quarantined'])} quarantined, {float(row['seconds']):.1f}s {status}; "
-                f"{totals['embedded'] / max(elapsed, 1e-9):.0f} pairs/s so far")
+                f"{totals['embedded'] / max(elapsed, 1e-9):.0f} pairs/s so far"
+            )
     seconds = time.perf_counter() - started
     return {
         "round": spec.round_index,
         "shards": len(shard_paths),
         "shards_skipped": skipped,
         "shards_failed": failed,
+        "shards_truncated": truncated,
         "records_read": totals["records"],
         "embedded": totals["embedded"],
         "quarantined": totals["quarantined"],

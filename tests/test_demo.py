@@ -1,0 +1,49 @@
+"""The demo job end to end through the CLI, on a freshly generated demo-sized corpus."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.data.synthetic import make_corpus
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_demo_job_runs_from_the_cli(tmp_path):
+    corpus = make_corpus(
+        tmp_path / "demo",
+        samples=4000,
+        seed=0,
+        samples_per_shard=500,
+        test_samples=500,
+        corrupt=0.005,
+    )
+    out = tmp_path / "run"
+    overrides = [
+        "--set",
+        f"input.shards={tmp_path}/demo/{{00000..00007}}.tar",
+        "--set",
+        f"output={out}",
+        "--set",
+        f"eval.ground_truth={corpus.ground_truth}",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline", "run", "jobs/demo.yaml", *overrides],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "summary" in result.stdout and "quarantined:" in result.stdout
+    metrics = json.loads((out / "metrics.json").read_text())
+    embed = metrics["rounds"]["0"]["embed"]
+    assert embed["embedded"] + embed["quarantined"] == 4000
+    assert embed["quarantined"] == corpus.corrupt
+    assert len(list((out / "rounds" / "0" / "embeddings").glob("*.parquet"))) == 8

@@ -1,0 +1,133 @@
+"""Static checks of docker/: the fields the cluster deployment relies on.
+
+Nothing is built or applied here (no Docker or Kubernetes in CI); these tests catch edits that
+would break the image or the RayJob before someone finds out on a GPU cluster.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+DOCKER = Path(__file__).resolve().parents[1] / "docker"
+REPO = DOCKER.parent
+
+
+@pytest.fixture(scope="module")
+def rayjob() -> dict:
+    with open(DOCKER / "rayjob.yaml", encoding="utf-8") as fh:
+        return yaml.safe_load(fh)
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> str:
+    return (DOCKER / "Dockerfile").read_text(encoding="utf-8")
+
+
+def _instructions(text: str) -> list[str]:
+    """Dockerfile instructions with continuation lines joined and comments dropped."""
+    joined = re.sub(r"\\\n", " ", text)
+    lines = (ln.strip() for ln in joined.splitlines())
+    return [ln for ln in lines if ln and not ln.startswith("#")]
+
+
+def _containers(rayjob: dict) -> list[dict]:
+    spec = rayjob["spec"]["rayClusterSpec"]
+    pods = [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+    return [c for pod in pods for c in pod["spec"]["containers"]]
+
+
+# --------------------------------------------------------------------------------------------
+# rayjob.yaml
+
+
+def test_rayjob_kind_and_entrypoint(rayjob):
+    assert rayjob["apiVersion"] == "ray.io/v1"
+    assert rayjob["kind"] == "RayJob"
+    spec = rayjob["spec"]
+    assert "ncl-pipeline run" in spec["entrypoint"]
+    job_file = spec["entrypoint"].split("ncl-pipeline run", 1)[1].split()[0]
+    assert job_file.endswith("jobs/cc3m.yaml")
+    assert (REPO / "jobs" / "cc3m.yaml").is_file()
+    assert spec["shutdownAfterJobFinishes"] is True
+
+
+def test_rayjob_gpu_workers(rayjob):
+    spec = rayjob["spec"]["rayClusterSpec"]
+    head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in head.get("resources", {}).get("limits", {})
+    groups = spec["workerGroupSpecs"]
+    assert groups and all(g["replicas"] >= 1 for g in groups)
+    for group in groups:
+        worker = group["template"]["spec"]["containers"][0]
+        assert int(worker["resources"]["limits"]["nvidia.com/gpu"]) == 1
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+
+
+def test_rayjob_volumes_mounted_everywhere(rayjob):
+    spec = rayjob["spec"]["rayClusterSpec"]
+    pods = [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+    for pod in pods:
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        for container in pod["spec"]["containers"]:
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            assert {"/data", "/runs"} <= mounts.keys()
+            for name in mounts.values():
+                assert name in volumes  # every mount refers to a declared volume
+    # The job writes where the volumes are: input and output paths of jobs/cc3m.yaml.
+    job = yaml.safe_load((REPO / "jobs" / "cc3m.yaml").read_text(encoding="utf-8"))
+    assert str(job["input"]["shards"]).startswith("/data/")
+    assert str(job["output"]).startswith("/runs/")
+
+
+def test_rayjob_image_and_ray_version_match_dockerfile(rayjob, dockerfile):
+    images = {c["image"] for c in _containers(rayjob)}
+    assert len(images) == 1, "head and workers must run the same image"
+    (image,) = images
+    assert ":" in image.rsplit("/", 1)[-1] and not image.endswith(":latest")
+    base_tag = re.search(r"^ARG BASE_TAG=(\S+)", dockerfile, re.M)
+    assert base_tag, "Dockerfile must pin the base tag with ARG BASE_TAG=..."
+    ray_version = rayjob["spec"]["rayClusterSpec"]["rayVersion"]
+    assert base_tag.group(1).startswith(f"{ray_version}-")
+
+
+# --------------------------------------------------------------------------------------------
+# Dockerfile
+
+
+def test_dockerfile_from_uses_arg_tag(dockerfile):
+    lines = _instructions(dockerfile)
+    froms = [ln for ln in lines if ln.upper().startswith("FROM ")]
+    assert len(froms) == 1
+    args_before = {
+        m.group(1) for ln in lines[: lines.index(froms[0])] if (m := re.match(r"ARG (\w+)=\S+", ln))
+    }
+    referenced = set(re.findall(r"\$\{(\w+)\}", froms[0]))
+    assert referenced and referenced <= args_before  # every FROM variable has a default
+    assert re.search(r":\$\{\w+\}", froms[0]), "the tag itself must come from an ARG"
+
+
+def test_dockerfile_installs_gpu_extra_without_cache(dockerfile):
+    runs = [ln for ln in _instructions(dockerfile) if ln.startswith("RUN ")]
+    pip_installs = [ln for ln in runs if "pip install" in ln]
+    assert any(".[gpu]" in ln for ln in pip_installs)
+    assert all("--no-cache-dir" in ln for ln in pip_installs)
+    assert not any("apt-get upgrade" in ln or "dist-upgrade" in ln for ln in runs)
+    for ln in runs:
+        if "apt-get install" in ln:
+            assert "rm -rf /var/lib/apt/lists" in ln
+
+
+def test_dockerfile_no_latest_and_non_root(dockerfile):
+    assert not re.search(r"latest", dockerfile, re.I)
+    lines = _instructions(dockerfile)
+    users = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
+    assert users and users[-1] not in {"root", "0"}
+    # Dependency layer before the code: pyproject is copied before the package sources.
+    copies = [ln for ln in lines if ln.startswith("COPY ")]
+    first_pyproject = next(i for i, ln in enumerate(copies) if "pyproject.toml" in ln)
+    first_code = next(i for i, ln in enumerate(copies) if "pipeline/" in ln)
+    assert first_pyproject < first_code
