@@ -50,6 +50,19 @@ def _explain(address: str, exc: Exception) -> SubmitError:
     )
 
 
+def _submit_with_retry(client, address: str, attempts: int = 20, **kwargs) -> str:
+    """Submit, waiting out a freshly started head whose job agent is not up yet."""
+    for attempt in range(attempts):
+        try:
+            return client.submit_job(**kwargs)
+        except Exception as exc:
+            transient = "no available agent" in str(exc).lower()
+            if not transient or attempt == attempts - 1:
+                raise _explain(address, exc) from None
+            time.sleep(min(0.5 * 2**attempt, 5.0))
+    raise AssertionError("unreachable")
+
+
 def submit_job(
     job_file: str | Path,
     address: str,
@@ -83,15 +96,14 @@ def submit_job(
         resolved = job.model_dump(mode="json")
         (Path(workdir) / "job.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
         submission_id = f"ncl-{job.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        try:
-            job_id = client.submit_job(
-                entrypoint="ncl-pipeline run job.yaml",
-                submission_id=submission_id,
-                runtime_env={"working_dir": workdir},
-                metadata={"ncl.job_name": job.name, "ncl.job_hash": job.stage_hash()},
-            )
-        except Exception as exc:
-            raise _explain(address, exc) from None
+        job_id = _submit_with_retry(
+            client,
+            address,
+            entrypoint="ncl-pipeline run job.yaml",
+            submission_id=submission_id,
+            runtime_env={"working_dir": workdir},
+            metadata={"ncl.job_name": job.name, "ncl.job_hash": job.stage_hash()},
+        )
     log(f"submitted {job_id} to {address}")
     if not follow:
         log(f"follow it with: ray job logs --address {address} --follow {job_id}")

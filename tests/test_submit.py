@@ -30,7 +30,16 @@ def head(tmp_path_factory):
     """A separate Ray head (its own temp dir, so teardown kills only its processes)."""
     temp_dir = tmp_path_factory.mktemp("rayhead")
     gcs_port, dash_port = _free_port(), _free_port()
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    # As on a real cluster node, the project's console script is on the head's PATH.
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    # Output to a file, not a pipe: the head's daemons outlive `ray start`, and writing to a
+    # closed pipe kills them (the job agent then never comes up).
+    log = (temp_dir / "ray-start.log").open("w")
     subprocess.run(
         [
             str(BIN / "ray"),
@@ -46,8 +55,8 @@ def head(tmp_path_factory):
         ],
         check=True,
         env=env,
-        capture_output=True,
-        text=True,
+        stdout=log,
+        stderr=subprocess.STDOUT,
         timeout=180,
     )
     yield f"http://127.0.0.1:{dash_port}"
