@@ -346,3 +346,31 @@ def test_cuda_checkpoint_loads_on_cpu(tmp_path):
     save_checkpoint_state_dict(on_gpu.model, path)
     on_cpu = load_clip(ModelSpec(TINY, str(path)), device="cpu")
     assert _weights_equal(on_cpu.model, load_clip(ModelSpec(TINY, None, seed=3), "cpu").model)
+
+
+@pytest.mark.parametrize(
+    ("name", "pretrained"), [("ncl-tiny", None), ("ViT-B-32", "laion2b_s34b_b79k")]
+)
+def test_load_transforms_matches_the_model_transform(name, pretrained):
+    """Data loaders use load_transforms; it must equal what open_clip gives with the model."""
+    import open_clip
+    from PIL import Image
+
+    from pipeline.models import load_transforms
+
+    transform, tokenizer = load_transforms(ModelSpec(name=name, pretrained=pretrained))
+    _, _, reference = open_clip.create_model_and_transforms(
+        name, pretrained=None, precision="fp32", device="cpu", pretrained_text=False
+    )
+    if pretrained:  # the tag's mean/std, as open_clip applies them when loading the tag
+        from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preprocess_dict
+        from dataclasses import asdict
+
+        cfg = merge_preprocess_dict(
+            asdict(PreprocessCfg()), open_clip.get_pretrained_cfg(name, pretrained)
+        )
+        cfg["size"] = open_clip.get_model_config(name)["vision_cfg"]["image_size"]
+        reference = image_transform_v2(PreprocessCfg(**cfg), is_train=False)
+    image = Image.new("RGB", (97, 61), (200, 30, 90))
+    torch.testing.assert_close(transform(image), reference(image))
+    assert tokenizer(["a red circle"]).shape[0] == 1

@@ -30,6 +30,9 @@ def head(tmp_path_factory):
     """A separate Ray head (its own temp dir, so teardown kills only its processes)."""
     temp_dir = tmp_path_factory.mktemp("rayhead")
     gcs_port, dash_port = _free_port(), _free_port()
+    # Fixed default ports (agent 52365, metrics, runtime env) would clash with the session's
+    # local Ray: give this head its own.
+    agent_http, agent_grpc, metrics, runtime_env = (_free_port() for _ in range(4))
     # As on a real cluster node, the project's console script is on the head's PATH.
     env = {
         **os.environ,
@@ -51,6 +54,10 @@ def head(tmp_path_factory):
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dash_port}",
             f"--temp-dir={temp_dir}",
+            f"--dashboard-agent-listen-port={agent_http}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--metrics-export-port={metrics}",
+            f"--runtime-env-agent-port={runtime_env}",
             "--disable-usage-stats",
         ],
         check=True,

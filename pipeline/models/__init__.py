@@ -8,6 +8,7 @@ from pipeline.models.clip import (
     encode_pairs,
     list_builtin_configs,
     load_clip,
+    load_transforms,
     resolve_device,
     save_checkpoint_state_dict,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "encode_pairs",
     "list_builtin_configs",
     "load_clip",
+    "load_transforms",
     "resolve_device",
     "save_checkpoint_state_dict",
 ]

@@ -52,6 +52,7 @@ __all__ = [
     "encode_pairs",
     "list_builtin_configs",
     "load_clip",
+    "load_transforms",
     "resolve_device",
     "save_checkpoint_state_dict",
 ]
@@ -717,3 +718,31 @@ def save_checkpoint_state_dict(model: torch.nn.Module, path: str | os.PathLike[s
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+
+
+def load_transforms(spec: ModelSpec) -> tuple[Callable[[Any], torch.Tensor], Callable]:
+    """The model's eval image transform and tokenizer, without building the model.
+
+    Data-loading tasks need these but not the weights (a ViT-B-32 is 600 MB to build). The
+    transform is resolved the way open_clip resolves it for `load_clip`: library defaults, then
+    the model config's `preprocess_cfg`, then the pretrained tag's mean/std/interpolation,
+    with the tower's image size. `tests/test_models.py` checks both give identical tensors.
+    """
+    from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preprocess_dict
+
+    schema, _ = _split_schema(spec.name)
+    if schema:  # hub / local-dir models: only open_clip knows their transform
+        return load_clip(spec, "cpu").preprocess, open_clip.get_tokenizer(spec.name)
+    arch = _arch_name(spec.name)
+    config = open_clip.get_model_config(arch)
+    if config is None:
+        check_weights_available(spec)  # raises the helpful unknown-model error
+        raise ModelLoadError(f"model {spec.name!r} has no open_clip config")
+    preprocess_cfg = dataclasses.asdict(PreprocessCfg())
+    preprocess_cfg = merge_preprocess_dict(preprocess_cfg, config.get("preprocess_cfg", {}))
+    if spec.pretrained is not None and _oc_pretrained.is_pretrained_cfg(arch, spec.pretrained):
+        tag_cfg = _oc_pretrained.get_pretrained_cfg(arch, spec.pretrained)
+        preprocess_cfg = merge_preprocess_dict(preprocess_cfg, tag_cfg)
+    preprocess_cfg["size"] = config["vision_cfg"].get("image_size", preprocess_cfg["size"])
+    transform = image_transform_v2(PreprocessCfg(**preprocess_cfg), is_train=False)
+    return transform, open_clip.get_tokenizer(arch)
