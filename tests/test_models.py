@@ -363,8 +363,9 @@ def test_load_transforms_matches_the_model_transform(name, pretrained):
         name, pretrained=None, precision="fp32", device="cpu", pretrained_text=False
     )
     if pretrained:  # the tag's mean/std, as open_clip applies them when loading the tag
-        from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preprocess_dict
         from dataclasses import asdict
+
+        from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preprocess_dict
 
         cfg = merge_preprocess_dict(
             asdict(PreprocessCfg()), open_clip.get_pretrained_cfg(name, pretrained)

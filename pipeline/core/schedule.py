@@ -1,4 +1,4 @@
-"""Training schedules as pure functions: learning rate and the adaptive warm-up (METHODS §2.2, §4.7).
+"""Training schedules as pure functions: learning rate and the adaptive warm-up (METHODS §2.2).
 
 Contract:
 - `cosine_lr` is linear warm-up to `base_lr` over `warmup_steps`, then cosine decay to
