@@ -99,12 +99,44 @@ class IndexConfig(_Section):
     shards: int = Field(1, ge=1, description="Index shards held by separate actors.")
 
 
+class WarmupConfig(_Section):
+    mode: Literal["all", "select"] = Field(
+        "all", description="all: train on every pair (SPS, NCR); select: BiCro's small-loss pairs."
+    )
+    select_ratio: float = Field(
+        0.3, gt=0, le=1, description="select: fraction epsilon of each batch kept (BiCro: 0.3)."
+    )
+    first_epoch_all: bool = Field(True, description="select: train the first epoch on all pairs.")
+    loss: Literal["infonce", "triplet"] = Field(
+        "infonce", description="Symmetric InfoNCE (CLIP), or BiCro's hinge triplet for parity."
+    )
+    plateau_fraction: float = Field(
+        0.9,
+        gt=0,
+        lt=1,
+        description="Left the chance plateau once the loss < fraction * ln(b); selection waits.",
+    )
+    patience: int = Field(
+        2, ge=1, description="Stop warm-up after this many epochs without held-out rSum gain."
+    )
+
+
 class TrainConfig(_Section):
     rounds: int = Field(2, ge=0, description="Co-teaching rounds after warm-up.")
-    warmup_epochs: int = Field(1, ge=0, description="Warm-up epochs (maximum when adaptive).")
+    warmup_epochs: int = Field(
+        1, ge=0, description="Maximum warm-up epochs (the length adapts below it); 0 = none."
+    )
     epochs_per_round: int = Field(1, ge=1, description="Fine-tuning epochs per round.")
     lr: float = Field(5.0e-7, gt=0, description="Peak learning rate (AdamW).")
-    batch_size: int = Field(256, ge=2, description="Training batch size per step.")
+    batch_size: int = Field(256, ge=2, description="Training batch size per step and worker.")
+    weight_decay: float = Field(0.2, ge=0, description="AdamW weight decay (CLIP fine-tuning).")
+    lr_warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up steps before cosine.")
+    grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip; 0 = off.")
+    workers: int = Field(1, ge=1, description="Ray Train DDP workers (one GPU each on GPUs).")
+    checkpoint_every_steps: int = Field(
+        200, ge=0, description="Resume checkpoints every N steps (and at epoch ends); 0 = epochs."
+    )
+    warmup: WarmupConfig = WarmupConfig()
 
 
 class EvalConfig(_Section):

@@ -52,6 +52,14 @@ def resolve_inputs(job: JobConfig) -> list[str]:
     return paths
 
 
+def decode_options(job: JobConfig) -> DecodeOptions:
+    return DecodeOptions(
+        image_key=job.input.image_key,
+        caption_key=job.input.caption_key,
+        max_image_pixels=job.input.max_image_pixels,
+    )
+
+
 def model_specs(job: JobConfig) -> dict[str, ModelSpec]:
     """The model views of round 0: view 'a' is the job's model seeded with the job's seed."""
     return {
@@ -119,11 +127,7 @@ def run_job(job: JobConfig, log: Callable[[str], None] = print) -> dict:
         views=views,
         batch_size=job.embed.batch_size,
         seed=job.seed,
-        decode=DecodeOptions(
-            image_key=job.input.image_key,
-            caption_key=job.input.caption_key,
-            max_image_pixels=job.input.max_image_pixels,
-        ),
+        decode=decode_options(job),
         decode_threads=job.embed.decode_threads,
         write_quarantine=True,
     )
@@ -142,7 +146,8 @@ def run_job(job: JobConfig, log: Callable[[str], None] = print) -> dict:
     write_json_atomic(manifest, layout.manifest)
 
     metrics = read_json(layout.metrics) or {}
-    metrics.setdefault("rounds", {}).setdefault("0", {})["embed"] = embed
+    round0 = metrics.setdefault("rounds", {}).setdefault("0", {})
+    round0["embed"] = embed
     metrics["outputs"] = {
         "embeddings": layout.embeddings_dir(0),
         "quarantine": layout.quarantine_dir,
@@ -150,7 +155,103 @@ def run_job(job: JobConfig, log: Callable[[str], None] = print) -> dict:
     }
     write_json_atomic(metrics, layout.metrics)
     _print_summary(embed, layout, log)
+
+    if job.train.warmup_epochs > 0:
+        from pipeline.stages.train import run_training
+
+        warmup = run_training(warmup_spec(job, layout, shard_paths), log=log)
+        round0["train"] = warmup
+        round0["retrieval"] = warmup.get("retrieval")
+        metrics["outputs"]["checkpoints"] = {
+            view: info["checkpoint"] for view, info in warmup["views"].items()
+        }
+        write_json_atomic(metrics, layout.metrics)
+        manifest["stages"]["round0/warmup"] = {"complete": True}
+        write_json_atomic(manifest, layout.manifest)
+        _print_warmup(warmup, log)
     return metrics
+
+
+def _shard_sizes(layout: RunLayout, round_index: int, shard_paths: list[str]) -> dict[str, int]:
+    """Usable samples per shard, from the embed pass's Parquet footers (no data read)."""
+    import pyarrow.parquet as pq
+
+    from pipeline.io.tables import file_exists
+
+    sizes = {}
+    for path in shard_paths:
+        table_path = layout.embeddings(round_index, shard_name(path))
+        if file_exists(table_path):
+            sizes[shard_name(path)] = pq.read_metadata(table_path).num_rows
+    return sizes
+
+
+def warmup_spec(job: JobConfig, layout: RunLayout, shard_paths: list[str]):
+    """Round 0 training: warm up views A and B (seeds differ) from the job's model."""
+    from pipeline.runtime import cluster_resources
+    from pipeline.stages.train import TrainSpec, ViewSpec
+
+    _, gpus = cluster_resources()
+    test_shards = (
+        expand_shard_patterns(job.eval.test_shards) if job.eval.test_shards is not None else []
+    )
+    views = tuple(
+        ViewSpec(
+            name=name,
+            init=ModelSpec(
+                job.model.name, job.model.pretrained, job.model.precision, seed=job.seed + offset
+            ),
+            seed=job.seed + offset,
+        )
+        for offset, name in enumerate(("A", "B"))
+    )
+    warm = job.train.warmup
+    return TrainSpec(
+        output=layout.output,
+        round_index=0,
+        views=views,
+        shards=tuple(shard_paths),
+        shard_sizes=_shard_sizes(layout, 0, shard_paths),
+        test_shards=tuple(test_shards),
+        mode="warmup",
+        max_epochs=job.train.warmup_epochs,
+        batch_size=job.train.batch_size,
+        lr=job.train.lr,
+        weight_decay=job.train.weight_decay,
+        lr_warmup_steps=job.train.lr_warmup_steps,
+        grad_clip=job.train.grad_clip,
+        precision=job.model.precision,
+        loss=warm.loss,
+        warmup_select=warm.mode == "select",
+        select_ratio=warm.select_ratio,
+        first_epoch_all=warm.first_epoch_all,
+        plateau_fraction=warm.plateau_fraction,
+        patience=warm.patience,
+        workers=job.train.workers,
+        use_gpu=gpus > 0,
+        checkpoint_every_steps=job.train.checkpoint_every_steps,
+        decode=decode_options(job),
+    )
+
+
+def _print_warmup(summary: dict, log: Callable[[str], None]) -> None:
+    log("")
+    log("warm-up")
+    for view, info in summary["views"].items():
+        last = info["history"][-1] if info["history"] else {}
+        reason = (info.get("warmup") or {}).get("reason", "")
+        log(
+            f"  model {view}: {info['epochs']} epochs, {info['steps']} steps, last loss "
+            f"{last.get('loss', float('nan')):.3f}; kept epoch {info['kept_epoch']} ({reason})"
+        )
+    retrieval = summary.get("retrieval")
+    if retrieval:
+        log("  retrieval on the test split (R@1/R@5/R@10 image->text | text->image, rSum):")
+        for name, r in retrieval.items():
+            log(
+                f"    {name:>4}: {r['i2t_r1']:.1f}/{r['i2t_r5']:.1f}/{r['i2t_r10']:.1f} | "
+                f"{r['t2i_r1']:.1f}/{r['t2i_r5']:.1f}/{r['t2i_r10']:.1f}, rSum {r['rsum']:.1f}"
+            )
 
 
 def _print_summary(embed: dict, layout: RunLayout, log: Callable[[str], None]) -> None:

@@ -56,3 +56,21 @@ class RunLayout:
     @property
     def report_dir(self) -> str:
         return self._join("report")
+
+    def checkpoint_dir(self, round_index: int, view: str) -> str:
+        return self._join("rounds", round_index, "checkpoints", view)
+
+    def model_checkpoint(self, round_index: int, view: str) -> str:
+        """The trained weights of a view: what the next round's embed pass loads."""
+        return self._join("rounds", round_index, "checkpoints", view, "model.pt")
+
+    def resume_state(self, round_index: int, view: str) -> str:
+        """Model + optimizer + step + RNG + warm-up state of a view, for resuming a killed run."""
+        return self._join("rounds", round_index, "checkpoints", view, "resume.pt")
+
+    def best_model(self, round_index: int, view: str) -> str:
+        return self._join("rounds", round_index, "checkpoints", view, "best_model.pt")
+
+    def train_summary(self, round_index: int) -> str:
+        """Written last by training: its presence marks the round's training complete."""
+        return self._join("rounds", round_index, "checkpoints", "train_summary.json")

@@ -1,0 +1,530 @@
+"""Training stage: two models (views A and B) on Ray Train, data streamed by Ray Data.
+
+Contract:
+- `run_training(spec, ...)` runs one `TorchTrainer` (DDP over `spec.workers`, one GPU per worker
+  when the cluster has GPUs) that trains BOTH views in lockstep, each with its own seed, data
+  order, optimizer and (optionally) its own label table; one trainer per round instead of one
+  per view halves Ray Train's start-up cost.
+- Data: every epoch, each view's shards are read through Ray Data with the embed pass's decode
+  (`pipeline.io.shards.decode_record`) and the model's eval transform; a label table
+  (`<labels_dir>/<shard>.parquet`, columns key + `label_column`) is joined by key while a shard
+  is read, so tars are never re-sharded. The order is a pure function of (seed, view, epoch):
+  shard order and within-shard order are permuted with seeded generators and Ray Data keeps that
+  order, so a resumed run sees exactly the batches the killed one would have.
+- Checkpoints: `rounds/<r>/checkpoints/<VIEW>/resume.pt` (model, optimizer, step, epoch, RNG,
+  warm-up state), written atomically every `checkpoint_every_steps` and at each epoch end; a
+  restarted run resumes from it and skips the batches already consumed. `model.pt` is written
+  at the end (the best warm-up epoch by held-out rSum when there is a test split, else the last);
+  `train_summary.json` goes last and marks the round's training complete.
+- Warm-up (`mode="warmup"`): loss on all pairs, or (`select`) on the ⌊ε·b⌋ lowest-loss pairs of
+  each batch once the model has left the chance plateau; length adapts (pipeline.core.schedule).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pipeline.core.losses import infonce_per_sample, triplet_per_sample
+from pipeline.core.schedule import WarmupState, cosine_lr, update_warmup
+from pipeline.core.train_losses import select_small_loss, weighted_infonce
+from pipeline.io.checkpoints import load_torch, save_torch_atomic
+from pipeline.io.layout import RunLayout
+from pipeline.io.shards import (
+    DecodeOptions,
+    Rejection,
+    decode_record,
+    iter_shard_records,
+    shard_name,
+)
+from pipeline.io.tables import read_json, write_json_atomic
+from pipeline.models import ModelSpec, load_clip, load_transforms
+
+__all__ = ["TrainSpec", "ViewSpec", "run_training", "read_training_batches", "epoch_shard_order"]
+
+LOG_EVERY_STEPS = 20
+
+
+@dataclass(frozen=True)
+class ViewSpec:
+    """One of the two co-taught models."""
+
+    name: str  # "A" or "B"
+    init: ModelSpec  # weights to start from (tag, checkpoint path, or random init by seed)
+    seed: int  # data order (and random init) seed
+    labels_dir: str | None = None  # label table to join by key; None = every pair weight 1
+    label_column: str = "soft_label"
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    output: str
+    round_index: int
+    views: tuple[ViewSpec, ...]
+    shards: tuple[str, ...]
+    shard_sizes: dict[str, int]  # usable samples per shard (from the embed pass): steps/epoch
+    test_shards: tuple[str, ...] = ()
+    mode: str = "warmup"  # "warmup" | "labels" (weighted InfoNCE on joined labels)
+    max_epochs: int = 1
+    batch_size: int = 256
+    lr: float = 5e-7
+    weight_decay: float = 0.2
+    lr_warmup_steps: int = 0
+    grad_clip: float = 1.0
+    precision: str = "fp32"
+    loss: str = "infonce"  # "infonce" | "triplet" (parity with BiCro/NCR)
+    warmup_select: bool = False  # BiCro small-loss selection once off the plateau
+    select_ratio: float = 0.3
+    first_epoch_all: bool = True
+    plateau_fraction: float = 0.9
+    patience: int = 2
+    workers: int = 1
+    use_gpu: bool = False
+    checkpoint_every_steps: int = 0
+    decode: DecodeOptions = field(default_factory=DecodeOptions)
+    fail_after_steps: int | None = None  # fault injection for the resume test only
+
+
+# ------------------------------------------------------------------------------------------
+# Data: deterministic per-epoch order, label join by key at read time
+
+
+def epoch_shard_order(shards: tuple[str, ...], seed: int, epoch: int) -> list[str]:
+    """The view's shard order for an epoch: a seeded permutation."""
+    order = np.random.default_rng([seed, epoch, 7]).permutation(len(shards))
+    return [shards[i] for i in order]
+
+
+def _label_lookup(labels_dir: str | None, column: str, shard: str) -> dict[str, float] | None:
+    if labels_dir is None:
+        return None
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(f"{labels_dir}/{shard}.parquet", columns=["key", column])
+    return dict(zip(table.column("key").to_pylist(), table.column(column).to_pylist(), strict=True))
+
+
+def read_training_batches(
+    batch: dict[str, np.ndarray],
+    *,
+    model: ModelSpec,
+    decode: DecodeOptions,
+    seed: int,
+    epoch: int,
+    labels_dir: str | None,
+    label_column: str,
+    rows_per_batch: int = 256,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Ray Data UDF: shard paths in, decoded + preprocessed + labelled rows out (streamed).
+
+    Quarantined samples were recorded by the embed pass and are skipped here; a decodable
+    sample whose key is missing from the label table is skipped (it has no label to train on).
+    """
+    preprocess, tokenizer = load_transforms(model)
+    for path in batch["path"]:
+        path = str(path)
+        shard = shard_name(path)
+        labels = _label_lookup(labels_dir, label_column, shard)
+        samples = []
+        for record in iter_shard_records(path):
+            if isinstance(record, Rejection):
+                continue
+            sample = decode_record(record, decode)
+            if isinstance(sample, Rejection):
+                continue
+            weight = 1.0 if labels is None else labels.get(sample.key)
+            if weight is None or not math.isfinite(weight):
+                continue
+            samples.append((sample, float(weight)))
+        order = np.random.default_rng([seed, epoch, zlib.crc32(shard.encode())]).permutation(
+            len(samples)
+        )
+        for start in range(0, len(order), rows_per_batch):
+            chunk = [samples[i] for i in order[start : start + rows_per_batch]]
+            yield {
+                "pixels": torch.stack([preprocess(s.image) for s, _ in chunk]).numpy(),
+                "tokens": tokenizer([s.caption for s, _ in chunk]).numpy(),
+                "weight": np.array([w for _, w in chunk], dtype=np.float32),
+            }
+
+
+def _epoch_batches(spec: TrainSpec, view: ViewSpec, epoch: int, rank: int, world: int):
+    import ray
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True  # the seeded order must survive the pipeline
+    ctx.enable_progress_bars = False
+    logging.getLogger("ray.data").setLevel(logging.WARNING)  # a dataset per epoch: keep logs short
+    shards = epoch_shard_order(spec.shards, view.seed, epoch)[rank::world]
+    dataset = ray.data.from_items([{"path": p} for p in shards], override_num_blocks=len(shards))
+    dataset = dataset.map_batches(
+        read_training_batches,
+        batch_size=1,
+        fn_kwargs={
+            "model": view.init,
+            "decode": spec.decode,
+            "seed": view.seed,
+            "epoch": epoch,
+            "labels_dir": view.labels_dir,
+            "label_column": view.label_column,
+        },
+    )
+    return dataset.iter_torch_batches(
+        batch_size=spec.batch_size,
+        drop_last=True,
+        prefetch_batches=2,
+        dtypes={"pixels": torch.float32, "tokens": torch.int64, "weight": torch.float32},
+    )
+
+
+def steps_per_epoch(spec: TrainSpec, world: int) -> int:
+    """Full batches every rank can make (ranks must take the same number of DDP steps)."""
+    per_rank = [0] * world
+    for index, path in enumerate(spec.shards):
+        per_rank[index % world] += spec.shard_sizes.get(shard_name(path), 0)
+    return max(min(per_rank) // spec.batch_size, 0)
+
+
+# ------------------------------------------------------------------------------------------
+# The loop that runs on each Ray Train worker
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    # CLIP practice: no weight decay on gains, biases and the temperature.
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or "logit_scale" in name else decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def _step_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, weight, selecting: bool):
+    """The training objective of one batch (returns the loss and the plain InfoNCE for logs)."""
+    loss_i2t, loss_t2i = infonce_per_sample(image_emb, text_emb, logit_scale)
+    plain = 0.5 * (loss_i2t + loss_t2i)  # (B,)
+    if spec.mode == "labels":
+        return weighted_infonce(image_emb, text_emb, logit_scale, weight), plain.mean()
+    per_sample = triplet_per_sample(image_emb, text_emb) if spec.loss == "triplet" else plain
+    if selecting:
+        keep = select_small_loss(per_sample.detach(), spec.select_ratio)
+        return per_sample[keep].mean(), plain.mean()
+    return per_sample.mean(), plain.mean()
+
+
+class _ViewTrainer:
+    """One view's model, optimizer and bookkeeping on a worker."""
+
+    def __init__(self, spec: TrainSpec, view: ViewSpec, device: torch.device, total_steps: int):
+        import ray.train.torch
+
+        self.spec, self.view = spec, view
+        self.layout = RunLayout(spec.output)
+        self.loaded = load_clip(view.init, device)
+        self.loaded.model.train()
+        self.model = ray.train.torch.prepare_model(self.loaded.model, move_to_device=False)
+        self.optimizer = torch.optim.AdamW(
+            _param_groups(self.loaded.model, spec.weight_decay),
+            lr=spec.lr,
+            betas=(0.9, 0.98),
+            eps=1e-6,
+        )
+        self.total_steps = total_steps
+        self.step, self.epoch, self.step_in_epoch = 0, 0, 0
+        self.warmup = WarmupState()
+        self.history: list[dict] = []
+        self.epoch_loss_sum, self.epoch_batches = 0.0, 0
+        self.stopped = False
+        self.scaler = torch.amp.GradScaler(
+            enabled=spec.precision == "fp16" and device.type == "cuda"
+        )
+        self.resume()
+
+    # -- checkpoints
+    def state(self) -> dict:
+        return {
+            "model": self.loaded.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "epoch_loss_sum": self.epoch_loss_sum,
+            "epoch_batches": self.epoch_batches,
+            "rng": torch.get_rng_state(),
+            "warmup": json.dumps(self.warmup.to_dict()),
+            "history": json.dumps(self.history),
+            "stopped": self.stopped,
+        }
+
+    def save(self) -> None:
+        save_torch_atomic(
+            self.state(), self.layout.resume_state(self.spec.round_index, self.view.name)
+        )
+
+    def resume(self) -> None:
+        state = load_torch(self.layout.resume_state(self.spec.round_index, self.view.name))
+        if state is None:
+            return
+        self.loaded.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.step_in_epoch = int(state["step_in_epoch"])
+        self.epoch_loss_sum = float(state["epoch_loss_sum"])
+        self.epoch_batches = int(state["epoch_batches"])
+        torch.set_rng_state(state["rng"])
+        self.warmup = WarmupState(**json.loads(state["warmup"]))
+        self.history = json.loads(state["history"])
+        self.stopped = bool(state["stopped"])
+
+    # -- one optimizer step
+    def train_step(self, batch: dict, device: torch.device) -> float:
+        spec = self.spec
+        selecting = (
+            spec.mode == "warmup"
+            and spec.warmup_select
+            and self.warmup.left_plateau
+            and not (spec.first_epoch_all and self.epoch == 0)
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = cosine_lr(self.step, self.total_steps, spec.lr_warmup_steps, spec.lr)
+        pixels = batch["pixels"].to(device, non_blocking=True)  # (B, 3, H, W)
+        tokens = batch["tokens"].to(device, non_blocking=True)  # (B, L)
+        weight = batch["weight"].to(device, non_blocking=True)  # (B,)
+        dtype = self.loaded.autocast_dtype
+        with torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype is not None):
+            image_emb, text_emb, logit_scale = self.model(pixels, tokens)
+        loss, plain = _step_loss(
+            spec, image_emb.float(), text_emb.float(), logit_scale.float(), weight, selecting
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        if spec.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.loaded.model.parameters(), spec.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        with torch.no_grad():  # CLIP clamps the temperature at 100
+            self.loaded.model.logit_scale.clamp_(0, math.log(100))
+        self.step += 1
+        self.step_in_epoch += 1
+        self.epoch_loss_sum += float(plain.detach())
+        self.epoch_batches += 1
+        return float(loss.detach())
+
+
+def _train_loop(config: dict) -> None:
+    """Runs on every Ray Train worker."""
+    import ray.train
+    import ray.train.torch
+
+    spec: TrainSpec = config["spec"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    steps = steps_per_epoch(spec, world)
+    if steps == 0:
+        raise ValueError(
+            f"round {spec.round_index}: fewer usable samples than one batch of "
+            f"{spec.batch_size} per worker; lower train.batch_size or train.workers"
+        )
+    trainers = [_ViewTrainer(spec, view, device, steps * spec.max_epochs) for view in spec.views]
+    eval_set = None
+    if rank == 0 and spec.test_shards:
+        from pipeline.stages.evaluate import load_eval_set
+
+        eval_set = load_eval_set(
+            spec.test_shards,
+            trainers[0].loaded.preprocess,
+            trainers[0].loaded.tokenizer,
+            spec.decode,
+        )
+    injected = 0
+    while not all(t.stopped for t in trainers):
+        epoch = min(t.epoch for t in trainers if not t.stopped)
+        active = [t for t in trainers if not t.stopped and t.epoch == epoch]
+        skip = active[0].step_in_epoch  # batches consumed before a restart (same for all views)
+        iterators = [_epoch_batches(spec, t.view, epoch, rank, world) for t in active]
+        started, seen = time.perf_counter(), 0
+        for index, batches in enumerate(zip(*iterators, strict=False)):
+            if index >= steps:
+                break
+            if index < skip:
+                continue
+            losses = [t.train_step(b, device) for t, b in zip(active, batches, strict=True)]
+            seen += spec.batch_size * world
+            injected += 1
+            if rank == 0 and (index + 1) % LOG_EVERY_STEPS == 0:
+                rate = seen / (time.perf_counter() - started)
+                names = " ".join(
+                    f"{t.view.name}={x:.3f}" for t, x in zip(active, losses, strict=True)
+                )
+                print(
+                    f"  round {spec.round_index} epoch {epoch} step {index + 1}/{steps}: loss "
+                    f"{names}, {rate:.0f} samples/s per view",
+                    flush=True,
+                )
+            if (
+                rank == 0
+                and spec.checkpoint_every_steps
+                and (index + 1) % spec.checkpoint_every_steps == 0
+            ):
+                for t in active:
+                    t.save()
+            if spec.fail_after_steps is not None and injected >= spec.fail_after_steps:
+                raise RuntimeError(f"injected failure after {injected} steps (test only)")
+        seconds = time.perf_counter() - started
+        results = {}
+        if eval_set is not None:
+            from pipeline.stages.evaluate import evaluate_models
+
+            results = evaluate_models({t.view.name: t.loaded for t in active}, eval_set)
+        for t in active:
+            epoch_loss = t.epoch_loss_sum / max(t.epoch_batches, 1)
+            rsum = results.get(t.view.name, {}).get("rsum")
+            record = {
+                "epoch": epoch,
+                "loss": epoch_loss,
+                "rsum": rsum,
+                "seconds": seconds,
+                "samples_per_s": seen / max(seconds, 1e-9),
+            }
+            t.history.append(record)
+            if spec.mode == "warmup":
+                t.warmup = update_warmup(
+                    t.warmup,
+                    epoch_loss=epoch_loss,
+                    batch_size=spec.batch_size,
+                    rsum=rsum,
+                    max_epochs=spec.max_epochs,
+                    plateau_fraction=spec.plateau_fraction,
+                    patience=spec.patience,
+                )
+                if rank == 0 and rsum is not None and t.warmup.best_epoch == t.warmup.epochs_done:
+                    save_torch_atomic(
+                        t.loaded.model.state_dict(),
+                        t.layout.best_model(spec.round_index, t.view.name),
+                    )
+                t.stopped = t.warmup.stopped
+            else:
+                t.stopped = epoch + 1 >= spec.max_epochs
+            t.epoch, t.step_in_epoch = epoch + 1, 0
+            t.epoch_loss_sum, t.epoch_batches = 0.0, 0
+            if rank == 0:
+                t.save()
+                shown = f", held-out rSum {rsum:.1f}" if rsum is not None else ""
+                print(
+                    f"  round {spec.round_index} {t.view.name} epoch {epoch}: loss "
+                    f"{epoch_loss:.3f}{shown}, {record['samples_per_s']:.0f} samples/s"
+                    + (f"; stop: {t.warmup.reason}" if t.stopped and spec.mode == "warmup" else ""),
+                    flush=True,
+                )
+        ray.train.report({"epoch": epoch})
+    if rank == 0:
+        _finish(spec, trainers, eval_set)
+
+
+def _finish(spec: TrainSpec, trainers: list[_ViewTrainer], eval_set) -> None:
+    """Keep each view's final weights, evaluate them (A, B, A+B) and write the summary last."""
+    layout = RunLayout(spec.output)
+    summary = {"round": spec.round_index, "mode": spec.mode, "views": {}, "retrieval": None}
+    for t in trainers:
+        best = (
+            load_torch(layout.best_model(spec.round_index, t.view.name))
+            if (spec.mode == "warmup" and t.warmup.best_epoch is not None)
+            else None
+        )
+        if best is not None:
+            t.loaded.model.load_state_dict(best)
+        final = t.loaded.model.state_dict()
+        save_torch_atomic(final, layout.model_checkpoint(spec.round_index, t.view.name))
+        summary["views"][t.view.name] = {
+            "epochs": t.epoch,
+            "steps": t.step,
+            "history": t.history,
+            "warmup": t.warmup.to_dict() if spec.mode == "warmup" else None,
+            "kept_epoch": t.warmup.best_epoch if best is not None else t.epoch,
+            "checkpoint": layout.model_checkpoint(spec.round_index, t.view.name),
+        }
+    if eval_set is not None:
+        from pipeline.stages.evaluate import evaluate_models
+
+        summary["retrieval"] = evaluate_models({t.view.name: t.loaded for t in trainers}, eval_set)
+        summary["retrieval_test_pairs"] = eval_set.n_texts
+    write_json_atomic(summary, layout.train_summary(spec.round_index))
+
+
+# ------------------------------------------------------------------------------------------
+# Driver side
+
+
+def _torch_config():
+    """Ray Train's torch backend, without a process group when there is a single worker.
+
+    A process group is only needed to synchronise several workers, and torch's TCPStore binds
+    all interfaces (`::`) whatever MASTER_ADDR says: a local, single-worker run must not open a
+    port beyond loopback (`tests/test_embed_pass.py` checks what Ray processes listen on).
+    """
+    from ray.train.torch.config import TorchConfig, _TorchBackend
+
+    class _Backend(_TorchBackend):
+        def on_start(self, worker_group, backend_config):
+            if len(worker_group) > 1:
+                super().on_start(worker_group, backend_config)
+
+    class _Config(TorchConfig):
+        @property
+        def backend_cls(self):
+            return _Backend
+
+    return _Config()
+
+
+def run_training(spec: TrainSpec, log: Callable[[str], None] = print) -> dict:
+    """Train the views of `spec` on Ray Train (skipped when the round's training is complete).
+
+    Returns:
+        The round's train summary (per view: epochs, steps, loss/rSum history, kept epoch).
+    """
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    layout = RunLayout(spec.output)
+    done = read_json(layout.train_summary(spec.round_index))
+    if done is not None:
+        log(f"train: round {spec.round_index} already complete, skipped")
+        return done
+    storage = f"{layout.round_dir(spec.round_index)}/ray_train"
+    if "://" not in storage:
+        import os
+
+        storage = os.path.abspath(storage)
+    log(
+        f"train: round {spec.round_index} ({spec.mode}), views "
+        f"{', '.join(v.name for v in spec.views)}, {spec.workers} worker(s), "
+        f"{'GPU' if spec.use_gpu else 'CPU'}, up to {spec.max_epochs} epochs"
+    )
+    trainer = TorchTrainer(
+        _train_loop,
+        train_loop_config={"spec": spec},
+        torch_config=_torch_config(),
+        scaling_config=ScalingConfig(num_workers=spec.workers, use_gpu=spec.use_gpu),
+        run_config=RunConfig(
+            storage_path=storage, name="train", failure_config=FailureConfig(max_failures=0)
+        ),
+    )
+    trainer.fit()
+    summary = read_json(layout.train_summary(spec.round_index))
+    if summary is None:
+        raise RuntimeError(f"training of round {spec.round_index} ended without its summary")
+    return summary

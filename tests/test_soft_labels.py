@@ -1,0 +1,473 @@
+"""Soft labels: METHODS §7 properties, hand-checked values, and separation on synthetic blobs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sklearn.metrics import roc_auc_score
+
+from pipeline.core.knn import exact_topk_torch
+from pipeline.core.losses import infonce_per_sample
+from pipeline.core.soft_labels import (
+    SOFT_LABEL_METHODS,
+    bicro_global_anchors,
+    bicro_in_batch_anchors,
+    bicro_labels,
+    cosine_labels,
+    fold,
+    ndcg_at_k,
+    proxy_match_probability,
+    rcr_global,
+    rcr_ndcg,
+    rcr_weights,
+    select_bicro_anchors,
+    sps_proxy_global,
+    sps_proxy_labels,
+    sps_quasi_clean_label,
+)
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def _random_unit(rows: int, dim: int, seed: int, dtype=np.float32) -> np.ndarray:
+    return _unit(np.random.default_rng(seed).standard_normal((rows, dim))).astype(dtype)
+
+
+def _blobs(n=2000, dim=32, clusters=40, noise=0.3, spread=0.6, seed=0):
+    """Clustered image/text embeddings; a `noise` fraction of captions rotated among themselves.
+
+    Returns u, v (n, dim) float32 and is_noisy (n,) bool.
+    """
+    rng = np.random.default_rng(seed)
+    centers = _unit(rng.standard_normal((clusters, dim)))
+    cluster = rng.integers(0, clusters, n)
+    u = _unit(centers[cluster] + spread * rng.standard_normal((n, dim)) / math.sqrt(dim))
+    v = _unit(centers[cluster] + spread * rng.standard_normal((n, dim)) / math.sqrt(dim))
+    noisy_rows = rng.choice(n, int(noise * n), replace=False)
+    v[noisy_rows] = v[np.roll(noisy_rows, 1)]  # each noisy pair takes another sample's caption
+    is_noisy = np.zeros(n, dtype=bool)
+    is_noisy[noisy_rows] = True
+    return u.astype(np.float32), v.astype(np.float32), is_noisy
+
+
+@pytest.fixture(scope="module")
+def blobs():
+    u, v, is_noisy = _blobs()
+    loss = 1.0 - (u * v).sum(axis=1)
+    # A stand-in for the mixture's split: the 60 % lowest losses are "clean".
+    is_clean = loss <= np.quantile(loss, 0.6)
+    return u, v, is_noisy, loss, is_clean
+
+
+# ---------------------------------------------------------------------------------------------
+# fold and BiCro
+# ---------------------------------------------------------------------------------------------
+
+unit_floats = st.floats(-1.0, 1.0, allow_nan=False)
+
+
+@given(a=unit_floats, b=unit_floats)
+@settings(max_examples=300, deadline=None)
+def test_fold_properties(a, b):
+    value = float(fold(a, b))
+    assert 0.0 <= value <= 1.0
+    assert value == float(fold(b, a))
+    if a > 1e-6:
+        assert float(fold(a, a)) == 1.0
+    if min(a, b) <= 1e-6:
+        assert value == 0.0
+
+
+def test_fold_fixes_reference_sign_bugs():
+    # The reference returns +0.2 for (-0.1, -0.5) and inf/NaN for a zero denominator.
+    np.testing.assert_array_equal(fold([-0.1, 0.0, 0.3], [-0.5, 0.0, 0.0]), [0.0, 0.0, 0.0])
+    assert float(fold(0.2, 0.8)) == pytest.approx(0.25)
+    assert np.isnan(fold(np.nan, 0.5))
+
+
+def _bicro_inputs(rows: int, dim: int, seed: int):
+    rng = np.random.default_rng(seed)
+    arrays = [_random_unit(rows, dim, seed + i) for i in range(6)]
+    is_anchor = rng.random(rows) < 0.2
+    is_clean = is_anchor | (rng.random(rows) < 0.5)
+    return arrays, is_anchor, is_clean
+
+
+@given(
+    rows=st.integers(1, 40),
+    dim=st.integers(2, 12),
+    seed=st.integers(0, 10_000),
+    clean_floor=st.floats(0.0, 1.0),
+    theta=st.floats(0.0, 0.99),
+    ratio=st.sampled_from(["similarity", "distance"]),
+)
+@settings(max_examples=60, deadline=None)
+def test_bicro_labels_properties(rows, dim, seed, clean_floor, theta, ratio):
+    arrays, is_anchor, is_clean = _bicro_inputs(rows, dim, seed)
+    options = dict(clean_floor=clean_floor, theta=theta, ratio=ratio)
+    out = bicro_labels(*arrays, is_anchor, is_clean, **options)
+    for key in ("bicro", "bicro_star"):
+        assert out[key].dtype == np.float32
+        assert np.all((out[key] >= 0) & (out[key] <= 1))
+    assert np.all(out["bicro"][is_anchor] == 1.0) and np.all(out["bicro_star"][is_anchor] == 1.0)
+    star = out["bicro_star"]
+    assert np.all((star == 0) | ((star > theta) & (star <= 1)))
+    clean_rest = is_clean & ~is_anchor
+    assert np.all(out["bicro"][clean_rest] >= np.float32(clean_floor) - 1e-6)
+    # Row equivariance: permuting every input row permutes every output row.
+    perm = np.random.default_rng(seed).permutation(rows)
+    permuted = bicro_labels(*[a[perm] for a in arrays], is_anchor[perm], is_clean[perm], **options)
+    for key, value in out.items():
+        np.testing.assert_array_equal(permuted[key], value[perm])
+
+
+def test_bicro_labels_hand_values():
+    e = np.eye(4, dtype=np.float32)
+    u = np.array([e[0]])
+    v = np.array([e[1]])
+    # Image side: A = u.u_a = 0.8, B = v.v_a = 0.4 -> 0.5. Text side: A' = 0.6, B' = 0.3 -> 0.5.
+    u_a = np.array([0.8 * e[0] + 0.6 * e[2]])
+    v_a = np.array([0.4 * e[1] + math.sqrt(1 - 0.16) * e[3]])
+    v_b = np.array([0.6 * e[1] + 0.8 * e[2]])
+    u_b = np.array([0.3 * e[0] + math.sqrt(1 - 0.09) * e[3]])
+    for is_clean, expected in ((False, 0.5), (True, 0.75)):
+        out = bicro_labels(u, v, u_a, v_a, v_b, u_b, [False], [is_clean])
+        assert out["r_i2t"][0] == pytest.approx(0.5, abs=1e-6)
+        assert out["r_t2i"][0] == pytest.approx(0.5, abs=1e-6)
+        assert out["bicro"][0] == pytest.approx(expected, abs=1e-6)
+        assert out["bicro_star"][0] == (0.0 if expected <= 0.5 else pytest.approx(expected))
+    # Distance mode: D = sqrt(2 - 2S): image sqrt(0.4)/sqrt(1.2), text sqrt(0.8)/sqrt(1.4).
+    out = bicro_labels(u, v, u_a, v_a, v_b, u_b, [False], [False], ratio="distance")
+    expected = 0.5 * (math.sqrt(0.4 / 1.2) + math.sqrt(0.8 / 1.4))
+    assert out["bicro"][0] == pytest.approx(expected, abs=1e-6)
+
+
+def test_select_bicro_anchors():
+    losses = np.array([0.5, 0.1, 0.1, 0.9, 0.05, 0.3, np.nan])
+    is_clean = np.array([True, True, True, False, False, True, True])
+    mask = select_bicro_anchors(losses, is_clean, fraction=0.75)  # ceil(0.75 * 4 finite) = 3
+    np.testing.assert_array_equal(np.flatnonzero(mask), [1, 2, 5])
+    # Ties are broken by id, not by row.
+    mask = select_bicro_anchors(losses, is_clean, fraction=0.2, ids=np.array([0, 9, 3, 0, 0, 0, 0]))
+    np.testing.assert_array_equal(np.flatnonzero(mask), [2])
+    # 0.1 * 30 is 3.0000000000000004 in floats; the anchor count must still be 3.
+    assert select_bicro_anchors(np.arange(30.0), np.ones(30, bool)).sum() == 3
+    with pytest.raises(ValueError, match="empty"):
+        select_bicro_anchors(losses, np.zeros(7, dtype=bool))
+
+
+def test_bicro_global_separates_clean_from_noisy(blobs):
+    u, v, is_noisy, loss, is_clean = blobs
+    out = bicro_global_anchors(u, v, loss, is_clean)
+    assert out["is_anchor"].sum() == -(-int(is_clean.sum()) // 10)  # ceil(0.1 |C|)
+    assert np.all(out["image_anchor"][out["is_anchor"]] == -1)
+    assert np.all(out["is_anchor"][out["image_anchor"][~out["is_anchor"]]])
+    assert roc_auc_score(~is_noisy, out["bicro"]) >= 0.95
+    queried = ~out["is_anchor"]
+    consistency = out["r_i2t"][queried] + out["r_t2i"][queried]
+    assert roc_auc_score(~is_noisy[queried], consistency) >= 0.95
+    # The global-vs-in-batch ablation (BENCHMARKS): global anchors are at least as good.
+    in_batch = bicro_in_batch_anchors(u, v, loss, is_clean)
+    assert roc_auc_score(~is_noisy, out["bicro"]) >= roc_auc_score(~is_noisy, in_batch["bicro"])
+
+
+def test_bicro_global_is_row_equivariant(blobs):
+    u, v, _, loss, is_clean = blobs
+    ids = np.arange(u.shape[0], dtype=np.int64) * 5
+    out = bicro_global_anchors(u, v, loss, is_clean, ids=ids, shards=3)
+    perm = np.random.default_rng(1).permutation(u.shape[0])
+    permuted = bicro_global_anchors(
+        u[perm], v[perm], loss[perm], is_clean[perm], ids=ids[perm], shards=3
+    )
+    for key in ("bicro", "bicro_star", "r_i2t", "r_t2i", "is_anchor"):
+        np.testing.assert_array_equal(permuted[key], out[key][perm])
+    # Anchor rows move with the permutation: compare the anchors' sample ids.
+    queried = ~out["is_anchor"][perm]
+    np.testing.assert_array_equal(
+        ids[perm][permuted["image_anchor"][queried]],
+        ids[out["image_anchor"][perm][queried]],
+    )
+
+
+def test_bicro_global_nan_rows():
+    u, v, _ = _blobs(n=300, seed=3)
+    u[5] = np.nan
+    loss = 1.0 - np.nan_to_num((u * v).sum(axis=1))
+    out = bicro_global_anchors(u, v, loss, np.ones(300, dtype=bool))
+    assert np.isnan(out["bicro"][5]) and not out["is_anchor"][5]
+    assert np.isfinite(np.delete(out["bicro"], 5)).all()
+
+
+def test_bicro_in_batch_labels_are_aligned_and_equivariant():
+    u, v, _ = _blobs(n=700, seed=2)
+    loss = 1.0 - (u * v).sum(axis=1)
+    is_clean = loss <= np.quantile(loss, 0.5)
+    ids = np.arange(700, dtype=np.int64) + 1000
+    out = bicro_in_batch_anchors(u, v, loss, is_clean, ids=ids, batch_size=64)
+    perm = np.random.default_rng(0).permutation(700)
+    permuted = bicro_in_batch_anchors(
+        u[perm], v[perm], loss[perm], is_clean[perm], ids=ids[perm], batch_size=64
+    )
+    for key in ("bicro", "bicro_star", "r_i2t", "r_t2i", "is_anchor"):
+        np.testing.assert_array_equal(permuted[key], out[key][perm])
+    # floor(b/10) + 1 anchors per clean batch (the last batch may be short).
+    sizes = [64] * (is_clean.sum() // 64) + ([is_clean.sum() % 64] if is_clean.sum() % 64 else [])
+    assert out["is_anchor"].sum() == sum(min(s, s // 10 + 1) for s in sizes)
+
+
+def test_bicro_in_batch_single_batch_matches_naive_loop():
+    u, v, _ = _blobs(n=90, seed=4)
+    loss = 1.0 - (u * v).sum(axis=1)
+    is_clean = np.ones(90, dtype=bool)
+    out = bicro_in_batch_anchors(u, v, loss, is_clean, batch_size=128)
+    anchors = np.argsort(loss, kind="stable")[: 90 // 10 + 1]
+    for i in range(90):
+        if i in anchors:
+            assert out["bicro"][i] == 1.0
+            continue
+        a = anchors[np.argmax([u[i] @ u[j] for j in anchors])]
+        b = anchors[np.argmax([v[i] @ v[j] for j in anchors])]
+        r1 = float(fold(u[i] @ u[a], v[i] @ v[a]))
+        r2 = float(fold(v[i] @ v[b], u[i] @ u[b]))
+        assert out["bicro"][i] == pytest.approx(0.5 + 0.25 * (r1 + r2), abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# RCR
+# ---------------------------------------------------------------------------------------------
+
+
+def _lists(queries, database, depth):
+    return exact_topk_torch(queries, database, depth, device="cpu")[1]
+
+
+def _rcr_brute(u, v, k, include_self=True, groups=None, depth=None):
+    depth = depth or k + 1
+    return rcr_ndcg(
+        u,
+        v,
+        _lists(u, v, depth),
+        _lists(v, v, depth),
+        _lists(v, u, depth),
+        _lists(u, u, depth),
+        v,
+        u,
+        k=k,
+        self_ids=np.arange(u.shape[0]),
+        include_self=include_self,
+        image_group_ids=groups,
+    )
+
+
+def test_ndcg_hand_value():
+    # Texts t0..t2 on a circle; the query image retrieves t2, t1, t0 but its text is t0.
+    angles = np.array([0.0, 0.5, 1.0])
+    texts = np.stack([np.cos(angles), np.sin(angles)], axis=1)
+    image = np.array([[math.cos(1.2), math.sin(1.2)]])
+    text = texts[:1]
+    out = ndcg_at_k(image, text, np.array([[0, 1, 2]]), np.array([[0, 1, 2]]), texts, k=3)
+    gains = np.cos(angles)  # S(t0, t_j)
+    dcg = gains[2] / 1 + gains[1] / math.log2(3) + gains[0] / 2
+    idcg = gains[0] / 1 + gains[1] / math.log2(3) + gains[2] / 2
+    assert out["ndcg"][0] == pytest.approx(dcg / idcg, abs=1e-6)
+    assert out["k_eff"][0] == 3
+    # Excluding self drops t0 from both lists: K_eff shrinks to the 2 candidates left.
+    out = ndcg_at_k(
+        image, text, np.array([[0, 1, 2]]), np.array([[0, 1, 2]]), texts, k=3,
+        self_ids=np.array([0]), include_self=False,
+    )  # fmt: skip
+    assert out["k_eff"][0] == 2
+    assert out["ndcg"][0] == pytest.approx(
+        (gains[2] + gains[1] / math.log2(3)) / (gains[1] + gains[2] / math.log2(3)), abs=1e-6
+    )
+
+
+@given(
+    rows=st.integers(3, 40),
+    dim=st.integers(2, 10),
+    k=st.integers(1, 6),
+    seed=st.integers(0, 10_000),
+    include_self=st.booleans(),
+)
+@settings(max_examples=40, deadline=None)
+def test_ndcg_properties(rows, dim, k, seed, include_self):
+    # float64 embeddings: the rotation changes scores by ~1e-16, never enough to reorder.
+    u = _random_unit(rows, dim, seed, np.float64)
+    v = _random_unit(rows, dim, seed + 1, np.float64)
+    out = _rcr_brute(u, v, k, include_self)
+    for key in ("ndcg_txt", "ndcg_img", "w"):
+        assert np.all((out[key] >= 0) & (out[key] <= 1))
+    same = _rcr_brute(u, u.copy(), k, include_self)
+    # Identical rankings give exactly 1, unless every gain is <= 0 (IDCG = 0: set 0, flagged).
+    np.testing.assert_array_equal(same["ndcg_txt"][~same["degenerate"]], 1.0)
+    np.testing.assert_array_equal(same["ndcg_img"][~same["degenerate"]], 1.0)
+    if include_self:
+        assert not same["degenerate"].any()
+    rotation, _ = np.linalg.qr(np.random.default_rng(seed + 2).standard_normal((dim, dim)))
+    rotated = _rcr_brute(u @ rotation, v @ rotation, k, include_self)
+    for key in ("ndcg_txt", "ndcg_img", "w"):
+        np.testing.assert_allclose(rotated[key], out[key], atol=1e-6)
+
+
+def test_ndcg_image_dedup_and_degenerate():
+    rng = np.random.default_rng(5)
+    images = _random_unit(30, 8, 6)
+    u = np.repeat(images, 3, axis=0)  # every image has 3 captions (F30K/COCO style)
+    v = _unit(u + 0.3 * rng.standard_normal(u.shape)).astype(np.float32)
+    groups = np.repeat(np.arange(30), 3)
+    deduped = _rcr_brute(u, v, 5, groups=groups, depth=6 * 3)
+    plain = _rcr_brute(u, v, 5, depth=6 * 3)
+    # Without de-dup the image's own copies fill the ideal list and the scores change.
+    assert not np.allclose(deduped["ndcg_img"], plain["ndcg_img"])
+    assert np.all((deduped["ndcg_img"] >= 0) & (deduped["ndcg_img"] <= 1))
+    # All-negative gains: IDCG = 0 -> NDCG 0, flagged.
+    e = np.eye(2)
+    out = ndcg_at_k(e[:1], -e[:1], np.array([[0]]), np.array([[0]]), e[:1], k=1)
+    assert out["ndcg"][0] == 0.0 and out["degenerate"][0]
+
+
+def test_rcr_global_separates_clean_from_noisy(blobs):
+    u, v, is_noisy, _, _ = blobs
+    out = rcr_global(u, v, k=10, shards=2)
+    assert roc_auc_score(~is_noisy, out["w"]) >= 0.95
+    assert out["w"][~is_noisy].mean() > 0.7 and out["w"][is_noisy].mean() < 0.3
+    np.testing.assert_array_equal(rcr_weights(out["w"], ~is_noisy)[is_noisy], 0.0)
+    excluded = rcr_global(u, v, k=10, include_self=False)
+    assert roc_auc_score(~is_noisy, excluded["w"]) >= 0.95
+
+
+# ---------------------------------------------------------------------------------------------
+# SPS
+# ---------------------------------------------------------------------------------------------
+
+
+@given(
+    p=st.floats(0.0, 1.0),
+    loss_i2t=st.floats(0.0, 50.0),
+    loss_t2i=st.floats(0.0, 50.0),
+)
+@settings(max_examples=200, deadline=None)
+def test_sps_quasi_clean_in_p_to_one(p, loss_i2t, loss_t2i):
+    y = float(sps_quasi_clean_label(np.array([p]), np.array([loss_i2t]), np.array([loss_t2i]))[0])
+    assert np.float32(p) <= y <= 1.0
+    match = 0.5 * (math.exp(-loss_i2t) + math.exp(-loss_t2i))
+    assert y == pytest.approx(p + (1 - p) * match, abs=1e-6)
+
+
+def test_proxy_match_probability_matches_infonce_without_duplicates():
+    import torch
+
+    u, v = _random_unit(64, 16, 7), _random_unit(64, 16, 8)
+    p_i2t, p_t2i = proxy_match_probability(
+        u, v, np.arange(64), logit_scale=10.0, batch_size=64, seed=0
+    )
+    l_i2t, l_t2i = infonce_per_sample(torch.from_numpy(u), torch.from_numpy(v), 10.0)
+    np.testing.assert_allclose(p_i2t, np.exp(-l_i2t.numpy()), rtol=1e-4)
+    np.testing.assert_allclose(p_t2i, np.exp(-l_t2i.numpy()), rtol=1e-4)
+
+
+def test_proxy_duplicates_are_masked():
+    u = _random_unit(6, 8, 9)
+    distinct_texts = _random_unit(3, 8, 10)
+    proxy = np.array([0, 0, 0, 1, 2, 2])
+    v = distinct_texts[proxy]
+    p_i2t, p_t2i = proxy_match_probability(u, v, proxy, logit_scale=5.0, batch_size=6)
+    # image -> text with duplicate captions == softmax over the distinct captions.
+    logits = 5.0 * u.astype(np.float64) @ distinct_texts.T.astype(np.float64)
+    expected = np.exp(logits[np.arange(6), proxy]) / np.exp(logits).sum(axis=1)
+    np.testing.assert_allclose(p_i2t, expected, rtol=1e-5)
+    # text -> image: the other images sharing the proxy are not negatives.
+    scores = 5.0 * u.astype(np.float64) @ v.T.astype(np.float64)
+    for i in range(6):
+        keep = (proxy != proxy[i]) | (np.arange(6) == i)
+        assert p_t2i[i] == pytest.approx(
+            np.exp(scores[i, i]) / np.exp(scores[keep, i]).sum(), rel=1e-5
+        )
+    # Text direction (the images are the proxies): the same, with the roles swapped.
+    images = distinct_texts[proxy]
+    texts = _random_unit(6, 8, 11)
+    q_i2t, q_t2i = proxy_match_probability(
+        images, texts, proxy, proxy_side="image", logit_scale=5.0, batch_size=6
+    )
+    logits = 5.0 * texts.astype(np.float64) @ distinct_texts.T.astype(np.float64)
+    expected = np.exp(logits[np.arange(6), proxy]) / np.exp(logits).sum(axis=1)
+    np.testing.assert_allclose(q_t2i, expected, rtol=1e-5)
+    scores = 5.0 * images.astype(np.float64) @ texts.T.astype(np.float64)
+    for i in range(6):
+        keep = (proxy != proxy[i]) | (np.arange(6) == i)
+        assert q_i2t[i] == pytest.approx(
+            np.exp(scores[i, i]) / np.exp(scores[i, keep]).sum(), rel=1e-5
+        )
+
+
+@given(
+    rows=st.integers(1, 30),
+    dim=st.integers(2, 8),
+    seed=st.integers(0, 10_000),
+    gamma=st.floats(0.5, 3.0),
+    beta=st.floats(0.05, 0.9),
+)
+@settings(max_examples=60, deadline=None)
+def test_sps_proxy_zero_below_beta_over_gamma(rows, dim, seed, gamma, beta):
+    arrays = [_random_unit(rows, dim, seed + i) for i in range(6)]
+    rng = np.random.default_rng(seed)
+    ids_img, ids_txt = rng.integers(0, 5, rows), rng.integers(0, 5, rows)
+    out = sps_proxy_labels(
+        arrays[0], arrays[1], ids_img, arrays[2], arrays[3], ids_txt, arrays[4], arrays[5],
+        logit_scale=20.0, gamma=gamma, beta=beta, batch_size=8,
+    )  # fmt: skip
+    for direction in ("img", "txt"):
+        label, similarity = out[f"y_p_{direction}"], out[f"s_{direction}"]
+        assert np.all((label >= 0) & (label <= 1))
+        assert np.all((label == 0) | (label >= np.float32(beta) - 1e-6))
+        below = similarity < beta / gamma * (1 - 1e-6)
+        assert np.all(label[below] == 0)
+        assert np.all(label[similarity <= 0] == 0)
+
+
+def test_sps_proxy_global_and_empty_reliable_set(blobs):
+    u, v, is_noisy, loss, _ = blobs
+    is_reliable = ~is_noisy & (loss <= np.quantile(loss, 0.5))
+    noisy_rows = np.flatnonzero(is_noisy)
+    out = sps_proxy_global(u, v, is_reliable, noisy_rows, logit_scale=1 / 0.07)
+    assert np.all(is_reliable[out["image_proxy"]]) and np.all(is_reliable[out["text_proxy"]])
+    # The proxy caption of a noisy image is the caption of its nearest reliable image.
+    nearest = np.flatnonzero(is_reliable)[np.argmax(u[noisy_rows] @ u[is_reliable].T, axis=1)]
+    assert np.mean(out["image_proxy"] == nearest) > 0.99
+    assert not out["no_proxy"].any()
+    for direction in ("img", "txt"):
+        label = out[f"y_p_{direction}"]
+        product = out[f"p_hat_{direction}"] * out[f"s_{direction}"]
+        assert (label > 0).any()
+        np.testing.assert_allclose(label[label > 0], product[label > 0], rtol=1e-5)
+        assert np.all(product[label == 0] < 0.5 + 1e-6)
+    empty = sps_proxy_global(u, v, np.zeros(len(u), bool), noisy_rows, logit_scale=1 / 0.07)
+    assert empty["no_proxy"].all()
+    np.testing.assert_array_equal(empty["y_p_img"], 0.0)
+    np.testing.assert_array_equal(empty["y_p_txt"], 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cosine baseline and registry
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cosine_labels_keep_the_auroc(blobs):
+    u, v, is_noisy, _, _ = blobs
+    labels = cosine_labels(u, v)
+    assert labels.dtype == np.float32 and np.all((labels >= 0) & (labels <= 1))
+    raw = (u.astype(np.float64) * v).sum(axis=1)
+    assert roc_auc_score(~is_noisy, labels) == pytest.approx(
+        roc_auc_score(~is_noisy, raw), abs=1e-6
+    )
+
+
+def test_registry_names_callables():
+    assert {"cosine", "bicro", "rcr", "sps_quasi_clean", "sps_proxy"} <= set(SOFT_LABEL_METHODS)
+    assert all(callable(fn) for fn in SOFT_LABEL_METHODS.values())
