@@ -86,17 +86,81 @@ class EmbedConfig(_Section):
 
 class MixtureConfig(_Section):
     kind: Literal["bmm", "gmm"] = Field("bmm", description="Mixture fitted on per-sample losses.")
+    bins: int = Field(
+        4096, ge=16, description="Loss histogram bins: the fit costs O(bins) whatever the corpus."
+    )
+    threshold: float = Field(
+        0.5, gt=0, lt=1, description="delta: clean iff the clean posterior exceeds it (BiCro/NCR)."
+    )
+
+
+class BicroLabelsConfig(_Section):
+    anchor_fraction: float = Field(
+        0.1, gt=0, le=1, description="rho: lowest-loss fraction of the clean set used as anchors."
+    )
+    clean_floor: float = Field(
+        0.5, ge=0, le=1, description="Lowest label of a clean non-anchor (0.5 code, 1 paper)."
+    )
+    theta: float = Field(
+        0.5, ge=0, lt=1, description="BiCro* cut: soft_label <= theta becomes 0 (0 = plain BiCro)."
+    )
+    ratio: Literal["similarity", "distance"] = Field(
+        "similarity", description="Consistency of cosine similarities (code) or distances (paper)."
+    )
+    anchors: Literal["global", "in_batch"] = Field(
+        "global", description="Anchors from the whole clean set (FAISS) or per batch (reference)."
+    )
+    batch_size: int = Field(
+        128, ge=2, description="in_batch anchors: batch size within each shard (reference: 128)."
+    )
+
+
+class RcrLabelsConfig(_Section):
+    k: int = Field(10, ge=1, description="K of NDCG@K (RCR grid {5, 10}).")
+    delta: float = Field(
+        0.5, gt=0, lt=1, description="Both directions' GMM posteriors must exceed it to be in C."
+    )
+    include_self: bool = Field(
+        True, description="Rank the pair's own text/image too (literal reading of the paper)."
+    )
+
+
+class SpsLabelsConfig(_Section):
+    eps1: float = Field(0.99, gt=0, lt=1, description="Reliable iff clean posterior > eps1.")
+    eps2: float = Field(0.5, gt=0, lt=1, description="Noisy iff clean posterior <= eps2.")
+    gamma: float = Field(1.0, gt=0, description="Proxy label scale: y_p = gamma * P^ * S.")
+    beta: float = Field(0.5, ge=0, le=1, description="Proxy labels below beta become 0.")
+    batch_size: int = Field(
+        128, ge=2, description="Batch of proxy pairs for the match probability P^ (code: 128)."
+    )
+
+    @model_validator(mode="after")
+    def _eps1_above_eps2(self) -> SpsLabelsConfig:
+        if not self.eps1 > self.eps2:
+            raise ValueError(
+                f"SPS needs eps1 > eps2, got eps1={self.eps1} and eps2={self.eps2}: raise "
+                f"labels.sps.eps1 above {self.eps2} or lower labels.sps.eps2 below {self.eps1}"
+            )
+        return self
 
 
 class LabelsConfig(_Section):
     method: Literal["bicro", "rcr", "sps", "cosine"] = Field(
         "bicro", description="Soft-label method written as soft_label."
     )
+    loss: Literal["infonce_sum", "triplet"] = Field(
+        "infonce_sum",
+        description="Loss the mixture is fitted on: InfoNCE i2t + t2i (CLIP) or BiCro's triplet.",
+    )
+    bicro: BicroLabelsConfig = BicroLabelsConfig()
+    rcr: RcrLabelsConfig = RcrLabelsConfig()
+    sps: SpsLabelsConfig = SpsLabelsConfig()
 
 
 class IndexConfig(_Section):
     factory: str = Field("Flat", description="FAISS index_factory string, e.g. 'IVF65536,PQ64'.")
     shards: int = Field(1, ge=1, description="Index shards held by separate actors.")
+    nprobe: int = Field(32, ge=1, description="IVF lists probed per query (ignored by Flat).")
 
 
 class WarmupConfig(_Section):
@@ -133,6 +197,9 @@ class TrainConfig(_Section):
     lr_warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up steps before cosine.")
     grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip; 0 = off.")
     workers: int = Field(1, ge=1, description="Ray Train DDP workers (one GPU each on GPUs).")
+    torch_threads: int | None = Field(
+        None, ge=1, description="CPU training: torch threads per worker (null = Ray's default, 1)."
+    )
     checkpoint_every_steps: int = Field(
         200, ge=0, description="Resume checkpoints every N steps (and at epoch ends); 0 = epochs."
     )

@@ -228,6 +228,7 @@ def warmup_spec(job: JobConfig, layout: RunLayout, shard_paths: list[str]):
         plateau_fraction=warm.plateau_fraction,
         patience=warm.patience,
         workers=job.train.workers,
+        torch_threads=job.train.torch_threads,
         use_gpu=gpus > 0,
         checkpoint_every_steps=job.train.checkpoint_every_steps,
         decode=decode_options(job),

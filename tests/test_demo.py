@@ -32,6 +32,10 @@ def test_demo_job_runs_from_the_cli(tmp_path):
         f"output={out}",
         "--set",
         f"eval.ground_truth={corpus.ground_truth}",
+        "--set",
+        f"eval.test_shards={corpus.test_shards[0]}",
+        "--set",
+        "train.warmup_epochs=2",  # the full demo trains longer; CI checks the wiring
     ]
     result = subprocess.run(
         [sys.executable, "-m", "pipeline", "run", "jobs/demo.yaml", *overrides],
@@ -47,3 +51,7 @@ def test_demo_job_runs_from_the_cli(tmp_path):
     assert embed["embedded"] + embed["quarantined"] == 4000
     assert embed["quarantined"] == corpus.corrupt
     assert len(list((out / "rounds" / "0" / "embeddings").glob("*.parquet"))) == 8
+    warmup = metrics["rounds"]["0"]["train"]
+    assert {v: len(info["history"]) for v, info in warmup["views"].items()} == {"A": 2, "B": 2}
+    assert set(metrics["rounds"]["0"]["retrieval"]) == {"A", "B", "A+B"}
+    assert "retrieval on the test split" in result.stdout

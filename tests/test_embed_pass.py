@@ -26,6 +26,7 @@ input: {{shards: {shards}}}
 output: {output}
 model: {{name: ncl-tiny, pretrained: null}}
 embed: {{batch_size: 16, gpus_per_worker: 0, cpus_per_worker: 1, decode_threads: 2, concurrency: 2}}
+train: {{warmup_epochs: 0}}
 seed: 3
 """
 

@@ -105,6 +105,8 @@ def test_submit_runs_the_demo_job_on_the_cluster(head, tmp_path):
         "eval.ground_truth=null",
         "--set",
         "eval.test_shards=null",
+        "--set",
+        "train.warmup_epochs=0",
     ]
     result = _submit(args, {"RAY_AUTH_MODE": "token"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -89,6 +89,7 @@ class TrainSpec:
     workers: int = 1
     use_gpu: bool = False
     checkpoint_every_steps: int = 0
+    torch_threads: int | None = None  # CPU training: intra-op threads (Ray's default is 1)
     decode: DecodeOptions = field(default_factory=DecodeOptions)
     fail_after_steps: int | None = None  # fault injection for the resume test only
 
@@ -329,6 +330,8 @@ def _train_loop(config: dict) -> None:
     import ray.train.torch
 
     spec: TrainSpec = config["spec"]
+    if spec.torch_threads:
+        torch.set_num_threads(spec.torch_threads)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
@@ -504,6 +507,14 @@ def run_training(spec: TrainSpec, log: Callable[[str], None] = print) -> dict:
     if done is not None:
         log(f"train: round {spec.round_index} already complete, skipped")
         return done
+    if steps_per_epoch(spec, spec.workers) == 0:
+        from pipeline.config import JobConfigError
+
+        usable = sum(spec.shard_sizes.values())
+        raise JobConfigError(
+            f"train.batch_size={spec.batch_size} x train.workers={spec.workers} is more than "
+            f"the {usable} usable samples can fill once; lower train.batch_size"
+        )
     storage = f"{layout.round_dir(spec.round_index)}/ray_train"
     if "://" not in storage:
         import os

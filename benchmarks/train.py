@@ -1,0 +1,198 @@
+"""Training engine figures, measured in one run (BENCHMARKS.md; issue: training engine).
+
+1. Throughput: our Ray Train trainer (Ray Data streaming from the tar shards, decode,
+   preprocess, one view) vs a plain PyTorch loop over the same pairs decoded beforehand, same
+   model, batch, optimizer and loss. Ratio of samples/s (median over epochs after the first).
+2. Retrieval rSum on the clean test split after training the demo model on the demo corpus at
+   40% noise, same epochs: warm-up as configured in jobs/demo.yaml (BiCro-style selection once
+   off the plateau), vanilla (all pairs, no selection) and oracle (ground-truth clean pairs only,
+   joined as a label table).
+
+    python benchmarks/train.py --samples 4000 --epochs 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pipeline.runtime import apply_loopback_defaults  # noqa: E402
+
+apply_loopback_defaults()
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import torch  # noqa: E402
+
+from pipeline.core.train_losses import symmetric_infonce  # noqa: E402
+from pipeline.data.synthetic import make_corpus  # noqa: E402
+from pipeline.io.shards import Rejection, decode_record, iter_shard_records, shard_name  # noqa: E402
+from pipeline.models import ModelSpec, load_clip  # noqa: E402
+from pipeline.stages.train import TrainSpec, ViewSpec, run_training  # noqa: E402
+
+
+def emit(figure: str, **values) -> None:
+    print(json.dumps({"figure": figure, **values}), flush=True)
+
+
+def plain_loop_samples_per_s(shards, spec: ModelSpec, batch: int, epochs: int, lr: float) -> float:
+    loaded = load_clip(spec, "cpu")
+    pixels, captions = [], []
+    for path in shards:
+        for record in iter_shard_records(str(path)):
+            sample = record if isinstance(record, Rejection) else decode_record(record)
+            if not isinstance(sample, Rejection):
+                pixels.append(loaded.preprocess(sample.image))
+                captions.append(sample.caption)
+    pixels, tokens = torch.stack(pixels), loaded.tokenizer(captions)
+    model = loaded.model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    rates = []
+    for epoch in range(epochs):
+        order = torch.randperm(len(pixels), generator=torch.Generator().manual_seed(epoch))
+        started, seen = time.perf_counter(), 0
+        for start in range(0, len(order) - batch + 1, batch):
+            idx = order[start : start + batch]
+            image_emb, text_emb, scale = model(pixels[idx], tokens[idx])
+            loss = symmetric_infonce(image_emb, text_emb, scale)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            seen += batch
+        rates.append(seen / (time.perf_counter() - started))
+    return statistics.median(rates[1:] or rates)
+
+
+def oracle_labels(corpus, out_dir: Path) -> str:
+    """A label table holding only the truly clean pairs: the reader skips every other key."""
+    truth = pq.read_table(corpus.ground_truth).to_pandas()
+    clean = truth[truth["kind"] == "clean"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for shard, rows in clean.groupby("shard"):
+        table = pa.table(
+            {"key": rows["key"].tolist(), "soft_label": pa.array([1.0] * len(rows), pa.float32())}
+        )
+        pq.write_table(table, out_dir / f"{shard}.parquet")
+    return str(out_dir)
+
+
+def train_spec(corpus, output: str, *, views, mode, epochs, select, batch, lr) -> TrainSpec:
+    sizes = {
+        shard_name(str(p)): pq.read_metadata(str(p).replace(".tar", ".parquet")).num_rows
+        for p in corpus.shards
+    }
+    return TrainSpec(
+        output=output,
+        round_index=0,
+        views=views,
+        shards=tuple(str(p) for p in corpus.shards),
+        shard_sizes=sizes,
+        test_shards=tuple(str(p) for p in corpus.test_shards),
+        mode=mode,
+        max_epochs=epochs,
+        batch_size=batch,
+        lr=lr,
+        weight_decay=0.1,
+        warmup_select=select,
+        patience=epochs,
+        checkpoint_every_steps=0,
+        torch_threads=2,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--samples", type=int, default=4000)
+    parser.add_argument("--noise", type=float, default=0.4)
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    args = parser.parse_args()
+
+    from pipeline.runtime import init_ray
+
+    init_ray(None, num_cpus=2)
+    spec = ModelSpec("ncl-tiny", None, "fp32", seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = make_corpus(
+            Path(tmp) / "corpus",
+            samples=args.samples,
+            noise=args.noise,
+            partial=0.1,
+            seed=0,
+            samples_per_shard=500,
+            test_samples=500,
+        )
+        common = {
+            "pairs": args.samples,
+            "noise": args.noise,
+            "epochs": args.epochs,
+            "batch": args.batch,
+            "model": "ncl-tiny",
+            "device": "cpu",
+        }
+
+        results = {}
+        for name, mode, select, labels in (
+            ("vanilla", "warmup", False, None),
+            ("warmup_select", "warmup", True, None),
+            ("oracle", "labels", False, oracle_labels(corpus, Path(tmp) / "oracle")),
+        ):
+            views = (ViewSpec("A", spec, seed=0, labels_dir=labels),)
+            summary = run_training(
+                train_spec(
+                    corpus,
+                    f"{tmp}/{name}",
+                    views=views,
+                    mode=mode,
+                    epochs=args.epochs,
+                    select=select,
+                    batch=args.batch,
+                    lr=args.lr,
+                ),
+                log=lambda _: None,
+            )
+            results[name] = summary
+            emit(
+                f"rsum.{name}",
+                rsum=round(summary["retrieval"]["A"]["rsum"], 1),
+                kept_epoch=summary["views"]["A"]["kept_epoch"],
+                **common,
+            )
+
+        ours = statistics.median(
+            h["samples_per_s"] for h in results["vanilla"]["views"]["A"]["history"][1:]
+        )
+        plain = plain_loop_samples_per_s(
+            corpus.shards, spec, args.batch, min(args.epochs, 3), args.lr
+        )
+        emit(
+            "train_throughput",
+            ours_samples_per_s=round(ours, 1),
+            plain_samples_per_s=round(plain, 1),
+            ratio=round(ours / plain, 3),
+            **common,
+        )
+        vanilla = results["vanilla"]["retrieval"]["A"]["rsum"]
+        emit(
+            "rsum_ratios",
+            warmup_vs_vanilla=round(
+                results["warmup_select"]["retrieval"]["A"]["rsum"] / max(vanilla, 1e-9), 3
+            ),
+            oracle_vs_vanilla=round(
+                results["oracle"]["retrieval"]["A"]["rsum"] / max(vanilla, 1e-9), 3
+            ),
+            **common,
+        )
+
+
+if __name__ == "__main__":
+    main()
