@@ -4,6 +4,7 @@ Public surface: `load_job` (YAML -> validated JobConfig) and `run_job` (run it).
 """
 
 from pipeline.config import JobConfig, JobConfigError, load_job
+from pipeline.labels import read_labels
 
 __version__ = "0.1.0"
 
@@ -15,4 +16,4 @@ def run_job(job: JobConfig, log=print) -> dict:
     return _run_job(job, log=log)
 
 
-__all__ = ["JobConfig", "JobConfigError", "load_job", "run_job", "__version__"]
+__all__ = ["JobConfig", "JobConfigError", "load_job", "read_labels", "run_job", "__version__"]

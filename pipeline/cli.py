@@ -24,11 +24,19 @@ SET_HELP = "Override a job key, e.g. --set labels.method=rcr (repeatable)."
 def _user_errors() -> tuple[type[BaseException], ...]:
     from pipeline.config import JobConfigError
     from pipeline.io.shards import ShardPatternError
+    from pipeline.labels import LabelTableError
     from pipeline.models import ModelLoadError
     from pipeline.runner import RunConflictError
     from pipeline.submit import SubmitError
 
-    return (JobConfigError, ShardPatternError, ModelLoadError, RunConflictError, SubmitError)
+    return (
+        JobConfigError,
+        ShardPatternError,
+        LabelTableError,
+        ModelLoadError,
+        RunConflictError,
+        SubmitError,
+    )
 
 
 def _fail(message: str) -> None:
@@ -138,6 +146,28 @@ def submit(
     status = _guard(submit_job, job_file, address, overrides, follow=follow, log=typer.echo)
     if follow and status != "SUCCEEDED":
         raise typer.Exit(code=1)
+
+
+@app.command()
+def inspect(
+    run_dir: str = typer.Argument(..., help="Run directory (the job's output)."),
+    view: str = typer.Option(None, help="Embeddings view of a round's labels (a, b)."),
+) -> None:
+    """Print counts per subset, label quantiles, mixture fits and the quarantine summary."""
+    from pipeline.inspect_run import inspect_run
+
+    typer.echo(_guard(inspect_run, run_dir, view=view))
+
+
+@app.command()
+def report(
+    run_dir: str = typer.Argument(..., help="Run directory (the job's output)."),
+    view: str = typer.Option(None, help="Embeddings view of a round's labels (a, b)."),
+) -> None:
+    """(Re)generate <run>/report/index.html: loss histogram with fits, label histograms, gallery."""
+    from pipeline.report import write_report
+
+    typer.echo(f"wrote {_guard(write_report, run_dir, view=view)}")
 
 
 @app.command(hidden=True)

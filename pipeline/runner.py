@@ -8,6 +8,7 @@ starts, so a bad job fails in seconds with a message instead of a traceback.
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 from collections.abc import Callable
 from importlib import metadata
@@ -38,18 +39,25 @@ def _versions() -> dict[str, str]:
 
 
 def resolve_inputs(job: JobConfig) -> list[str]:
-    """Expand the job's shard patterns; fail when two shards would share an output name."""
-    paths = expand_shard_patterns(job.input.shards, allow_pipe=job.input.allow_pipe)
-    seen: dict[str, str] = {}
-    for path in paths:
-        name = shard_name(path)
-        if name in seen:
-            raise RunConflictError(
-                f"shards '{seen[name]}' and '{path}' have the same name '{name}'; output tables "
-                "are named by shard, so shard basenames must be unique within a job"
-            )
-        seen[name] = path
-    return paths
+    """The job's shard paths (expand_shard_patterns also refuses two shards with one name)."""
+    return expand_shard_patterns(job.input.shards, allow_pipe=job.input.allow_pipe)
+
+
+def _absolute(path: str | None) -> str | None:
+    if path is None or "://" in path:
+        return path
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _with_absolute_paths(job: JobConfig) -> JobConfig:
+    """Local paths resolved against the driver's directory: Ray Train runs its workers in a
+    directory of its own, so a relative output would land somewhere else."""
+    return job.model_copy(
+        update={
+            "output": _absolute(job.output),
+            "eval": job.eval.model_copy(update={"ground_truth": _absolute(job.eval.ground_truth)}),
+        }
+    )
 
 
 def decode_options(job: JobConfig) -> DecodeOptions:
@@ -95,8 +103,8 @@ def run_job(job: JobConfig, log: Callable[[str], None] = print) -> dict:
         RunConflictError: the output directory belongs to another configuration.
     """
     from pipeline.runtime import init_ray
-    from pipeline.stages.embed import EmbedSpec, run_embed_pass
 
+    job = _with_absolute_paths(job)
     layout = RunLayout(job.output)
     shard_paths = resolve_inputs(job)
     views = model_specs(job)
@@ -121,55 +129,86 @@ def run_job(job: JobConfig, log: Callable[[str], None] = print) -> dict:
     manifest.setdefault("stages", {})
     write_json_atomic(manifest, layout.manifest)
 
-    embed_spec = EmbedSpec(
+    metrics = read_json(layout.metrics) or {}
+    rounds = metrics.setdefault("rounds", {})
+    metrics["outputs"] = {
+        "embeddings": layout.embeddings_dir(0),
+        "quarantine": layout.quarantine_dir,
+        "labels": layout.labels_dir,
+        "manifest": layout.manifest,
+    }
+
+    def record(stage: str, round_index: int, key: str, value) -> None:
+        rounds.setdefault(str(round_index), {})[key] = value
+        write_json_atomic(metrics, layout.metrics)
+        manifest["stages"][f"round{round_index}/{stage}"] = {
+            "complete": True,
+            "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+        }
+        write_json_atomic(manifest, layout.manifest)
+
+    # 1. Embed every pair with the initial model; this pass also records the quarantine.
+    embed = _embed(job, layout, shard_paths, 0, views, log)
+    record("embed", 0, "embed", embed)
+    _print_summary(embed, layout, log)
+
+    # 2. Warm up models A and B; then embed again with them (both views) for the labels.
+    label_round = 0
+    if job.train.warmup_epochs > 0:
+        from pipeline.stages.train import run_training
+
+        warmup = run_training(warmup_spec(job, layout, shard_paths), log=log)
+        record("warmup", 0, "train", warmup)
+        rounds["0"]["retrieval"] = warmup.get("retrieval")
+        _print_warmup(warmup, log)
+        label_round = 1
+        warmed = {
+            view.lower(): ModelSpec(
+                job.model.name, info["checkpoint"], job.model.precision, job.seed
+            )
+            for view, info in warmup["views"].items()
+        }
+        record("embed", 1, "embed", _embed(job, layout, shard_paths, 1, warmed, log))
+
+    # 3. Mixtures, partitions and soft labels from view a -> the published labels/ table.
+    from pipeline.stages.labels import LabelSpec, run_label_pass
+
+    label_spec = LabelSpec.from_job(
+        job, round_index=label_round, view="a", shard_paths=shard_paths, out_dir=layout.labels_dir
+    )
+    record("labels_a", label_round, "labels_a", run_label_pass(label_spec, log=log))
+    log(f"labels: {layout.labels_dir}/ (read with pipeline.read_labels('{layout.output}'))")
+    return metrics
+
+
+def _embed(
+    job: JobConfig,
+    layout: RunLayout,
+    shard_paths: list[str],
+    round_index: int,
+    views: dict[str, ModelSpec],
+    log: Callable[[str], None],
+) -> dict:
+    from pipeline.stages.embed import EmbedSpec, run_embed_pass
+
+    spec = EmbedSpec(
         output=layout.output,
-        round_index=0,
+        round_index=round_index,
         views=views,
         batch_size=job.embed.batch_size,
         seed=job.seed,
         decode=decode_options(job),
         decode_threads=job.embed.decode_threads,
-        write_quarantine=True,
+        write_quarantine=round_index == 0,  # the input does not change between rounds
     )
-    embed = run_embed_pass(
-        embed_spec,
+    return run_embed_pass(
+        spec,
         shard_paths,
         concurrency=job.embed.concurrency,
         cpus_per_worker=job.embed.cpus_per_worker,
         gpus_per_worker=job.embed.gpus_per_worker,
         log=log,
     )
-    manifest["stages"]["round0/embed"] = {
-        "complete": not embed["shards_failed"],
-        "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-    }
-    write_json_atomic(manifest, layout.manifest)
-
-    metrics = read_json(layout.metrics) or {}
-    round0 = metrics.setdefault("rounds", {}).setdefault("0", {})
-    round0["embed"] = embed
-    metrics["outputs"] = {
-        "embeddings": layout.embeddings_dir(0),
-        "quarantine": layout.quarantine_dir,
-        "manifest": layout.manifest,
-    }
-    write_json_atomic(metrics, layout.metrics)
-    _print_summary(embed, layout, log)
-
-    if job.train.warmup_epochs > 0:
-        from pipeline.stages.train import run_training
-
-        warmup = run_training(warmup_spec(job, layout, shard_paths), log=log)
-        round0["train"] = warmup
-        round0["retrieval"] = warmup.get("retrieval")
-        metrics["outputs"]["checkpoints"] = {
-            view: info["checkpoint"] for view, info in warmup["views"].items()
-        }
-        write_json_atomic(metrics, layout.metrics)
-        manifest["stages"]["round0/warmup"] = {"complete": True}
-        write_json_atomic(manifest, layout.manifest)
-        _print_warmup(warmup, log)
-    return metrics
 
 
 def _shard_sizes(layout: RunLayout, round_index: int, shard_paths: list[str]) -> dict[str, int]:

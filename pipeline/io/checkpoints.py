@@ -8,25 +8,20 @@ file under its final name is always complete; `load_torch` refuses pickled objec
 from __future__ import annotations
 
 import io
-import uuid
 
 import fsspec
 import torch
+
+from pipeline.io.tables import open_atomic
 
 __all__ = ["save_torch_atomic", "load_torch"]
 
 
 def save_torch_atomic(obj: object, path: str) -> None:
-    fs, fs_path = fsspec.core.url_to_fs(path)
-    parent = fs_path.rsplit("/", 1)[0] if "/" in fs_path else ""
-    if parent:
-        fs.makedirs(parent, exist_ok=True)
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    tmp_path = f"{fs_path}.tmp-{uuid.uuid4().hex[:8]}"
-    with fs.open(tmp_path, "wb") as handle:
+    with open_atomic(path) as handle:
         handle.write(buffer.getvalue())
-    fs.mv(tmp_path, fs_path)
 
 
 def load_torch(path: str) -> dict | None:

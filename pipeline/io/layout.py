@@ -57,6 +57,18 @@ class RunLayout:
     def report_dir(self) -> str:
         return self._join("report")
 
+    def mixture(self, round_index: int, view: str) -> str:
+        """Every mixture fitted by a view's label pass (BMM, GMM, per-direction GMMs)."""
+        return self._join("rounds", round_index, f"mixture_{view}.json")
+
+    def labels_round_dir(self, round_index: int, view: str) -> str:
+        """A round's label tables made from `view`'s embeddings (what its peer trains on)."""
+        return self._join("rounds", round_index, f"labels_{view}")
+
+    def sps_proxies_dir(self, round_index: int, view: str) -> str:
+        """SPS proxy pairs of the noisy set (extra training pairs), one table per shard."""
+        return self._join("rounds", round_index, f"sps_proxies_{view}")
+
     def checkpoint_dir(self, round_index: int, view: str) -> str:
         return self._join("rounds", round_index, "checkpoints", view)
 

@@ -71,6 +71,27 @@ def file_exists(path: str) -> bool:
     return fs.exists(fs_path)
 
 
+def open_atomic(path: str, mode: str = "wb"):
+    """Context manager: write to a temporary name beside `path`, rename to `path` on success.
+
+    A file under its final name is therefore always complete; a crash leaves `*.tmp-*` debris.
+    """
+    import contextlib
+
+    @contextlib.contextmanager
+    def _writer():
+        fs, fs_path = fsspec.core.url_to_fs(path)
+        parent = fs_path.rsplit("/", 1)[0] if "/" in fs_path else ""
+        if parent:
+            fs.makedirs(parent, exist_ok=True)
+        tmp_path = f"{fs_path}.tmp-{uuid.uuid4().hex[:8]}"
+        with fs.open(tmp_path, mode) as handle:
+            yield handle
+        fs.mv(tmp_path, fs_path)
+
+    return _writer()
+
+
 def write_table_atomic(table: pa.Table, path: str, schema: pa.Schema) -> None:
     """Write `table` cast to `schema` at `path` (local or fsspec URL), atomically.
 
@@ -81,27 +102,14 @@ def write_table_atomic(table: pa.Table, path: str, schema: pa.Schema) -> None:
         raise ValueError(
             f"table for {path} has columns {table.schema.names}, expected {schema.names}"
         )
-    table = table.cast(schema)
-    fs, fs_path = fsspec.core.url_to_fs(path)
-    parent = fs_path.rsplit("/", 1)[0] if "/" in fs_path else ""
-    if parent:
-        fs.makedirs(parent, exist_ok=True)
-    tmp_path = f"{fs_path}.tmp-{uuid.uuid4().hex[:8]}"
-    with fs.open(tmp_path, "wb") as handle:
-        pq.write_table(table, handle, compression="zstd")
-    fs.mv(tmp_path, fs_path)
+    with open_atomic(path) as handle:
+        pq.write_table(table.cast(schema), handle, compression="zstd")
 
 
 def write_json_atomic(payload: Mapping, path: str) -> None:
-    fs, fs_path = fsspec.core.url_to_fs(path)
-    parent = fs_path.rsplit("/", 1)[0] if "/" in fs_path else ""
-    if parent:
-        fs.makedirs(parent, exist_ok=True)
-    tmp_path = f"{fs_path}.tmp-{uuid.uuid4().hex[:8]}"
-    with fs.open(tmp_path, "w") as handle:
+    with open_atomic(path, "w") as handle:
         json.dump(payload, handle, indent=2, sort_keys=True, default=str)
         handle.write("\n")
-    fs.mv(tmp_path, fs_path)
 
 
 def read_json(path: str) -> dict | None:

@@ -19,6 +19,7 @@ in a thread pool inside the actor (PIL and torch release the GIL) and overlaps t
 from __future__ import annotations
 
 import json
+import logging
 import time
 import zlib
 from collections import Counter
@@ -98,6 +99,7 @@ class EmbedShardStage:
     """Ray Data actor: loads the views' models once, then embeds one shard per input row."""
 
     def __init__(self, spec: EmbedSpec):
+        logging.getLogger().setLevel(logging.WARNING)  # open_clip logs model building at INFO
         self.spec = spec
         self.models = {view: load_clip(model, spec.device) for view, model in spec.views.items()}
         self.pool = ThreadPoolExecutor(max_workers=spec.decode_threads)

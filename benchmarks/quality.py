@@ -1,0 +1,254 @@
+"""Label quality on the demo corpus at several noise levels (BENCHMARKS.md "Label quality").
+
+For each noise level: `make_corpus` (partial 10 %) into a temporary folder, the embed pass with
+the chosen model (`run_job`, no training), then label passes on the same embeddings:
+  bicro (BMM, global anchors; the job default), rcr, sps (GMM), cosine -> one JSON line each
+  plus the baselines computed in every pass: cosine, GMM posterior, BMM posterior.
+Ablations (BENCHMARKS.md):
+  bmm_vs_gmm_anchors   BiCro anchors from the BMM vs the GMM split: anchor precision against
+                       the ground truth, and each run's AUROC;
+  rcr_vs_cosine        RCR's weight w~ vs the raw cosine as the weight on the same set C;
+  global_vs_in_batch   BiCro with global (FAISS) anchors vs the reference's per-batch anchors;
+  label_pass_overhead  label pass (fit + index + labels, bicro) time / embed pass time.
+
+Which model labels matters: the packaged `ncl-tiny` with random weights is untrained, so its
+labels are near chance. Pass `--model-checkpoint RUN/rounds/0/checkpoints/A/model.pt` (a
+warmed-up model, e.g. from `make demo`), or `--warmup-epochs N` to warm one up here first on
+the 40 %-noise corpus (the same checkpoint then labels every noise level). Every line says
+which model was used.
+
+    python benchmarks/quality.py                       # random tiny model, ~3 min on 2 CPUs
+    python benchmarks/quality.py --warmup-epochs 6     # warm-up first
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pipeline.runtime import apply_loopback_defaults  # noqa: E402
+
+apply_loopback_defaults()
+
+import numpy as np  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+import yaml  # noqa: E402
+
+from pipeline.config import load_job  # noqa: E402
+from pipeline.data.synthetic import make_corpus  # noqa: E402
+from pipeline.io.layout import RunLayout  # noqa: E402
+from pipeline.labels import read_labels  # noqa: E402
+from pipeline.runner import resolve_inputs, run_job  # noqa: E402
+from pipeline.stages.labels import BicroParams, LabelSpec, run_label_pass  # noqa: E402
+
+QUALITY_KEYS = ("auroc", "spearman", "precision", "recall", "f1")
+
+
+def emit(figure: str, **values) -> None:
+    print(json.dumps({"figure": figure, **values}), flush=True)
+
+
+def _job(folder: Path, corpus: Path, shards: int, pretrained: str | None, **extra) -> Path:
+    document = {
+        "name": "quality",
+        "input": {"shards": f"{corpus}/{{00000..{shards - 1:05d}}}.tar"},
+        "output": str(folder / "run"),
+        "model": {"name": "ncl-tiny", "pretrained": pretrained, "precision": "fp32"},
+        "embed": {
+            "batch_size": 256,
+            "gpus_per_worker": 0,
+            "cpus_per_worker": 1,
+            "decode_threads": 2,
+            "concurrency": "auto",
+        },
+        "train": {"warmup_epochs": 0, "lr": 1.0e-3, "batch_size": 128},
+        "eval": {"ground_truth": str(corpus / "ground_truth.parquet")},
+        "seed": 0,
+    }
+    for key, value in extra.items():
+        document[key] = {**document.get(key, {}), **value}
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def _quality_fields(quality: dict) -> dict:
+    return {key: quality.get(key) for key in QUALITY_KEYS}
+
+
+def _anchor_precision(out_dir: str, truth: dict[str, str]) -> tuple[int, float | None]:
+    """Anchors are the clean rows that were not queried (no nearest-anchor key)."""
+    table = read_labels(out_dir).to_table(columns=["key", "subset", "image_anchor_key"])
+    subset = np.array(table.column("subset").to_pylist(), dtype=object)
+    named = np.array(table.column("image_anchor_key").to_pylist(), dtype=object)
+    keys = table.column("key").to_pylist()
+    anchors = [k for k, s, a in zip(keys, subset, named, strict=True) if s == "clean" and a is None]
+    if not anchors:
+        return 0, None
+    return len(anchors), float(np.mean([truth.get(k) == "clean" for k in anchors]))
+
+
+def run_noise_level(noise: float, args, workdir: Path, pretrained: str | None) -> None:
+    folder = workdir / f"noise_{int(noise * 100)}"
+    corpus = folder / "corpus"
+    shards = max(1, args.samples // args.samples_per_shard)
+    make_corpus(
+        corpus,
+        samples=args.samples,
+        noise=noise,
+        partial=args.partial,
+        seed=args.seed,
+        samples_per_shard=args.samples_per_shard,
+        test_samples=0,
+    )
+    job = load_job(_job(folder, corpus, shards, pretrained, ray={"num_cpus": args.num_cpus}))
+    started = time.perf_counter()
+    metrics = run_job(job, log=lambda _: None)
+    embed_seconds = time.perf_counter() - started
+    embed = metrics["rounds"]["0"]["embed"]
+    paths = resolve_inputs(job)
+    layout = RunLayout(job.output)
+    truth_table = pq.read_table(corpus / "ground_truth.parquet", columns=["key", "kind"])
+    truth = dict(zip(truth_table["key"].to_pylist(), truth_table["kind"].to_pylist(), strict=True))
+
+    def label(name: str, **changes) -> dict:
+        base = LabelSpec.from_job(
+            job, round_index=0, view="a", shard_paths=paths, out_dir=f"{layout.output}/{name}"
+        )
+        spec = LabelSpec(**{**base.__dict__, **changes})
+        return run_label_pass(spec, log=lambda _: None)
+
+    runs = {
+        "bicro": label("labels_bicro", method="bicro"),
+        "rcr": label("labels_rcr", method="rcr"),
+        # SPS partitions with a GMM (METHODS §4.2); a BMM's posteriors rarely pass eps1 = 0.99.
+        "sps": label("labels_sps", method="sps", mixture_kind="gmm"),
+        "cosine": label("labels_cosine", method="cosine"),
+    }
+    model = runs["bicro"]["model_id"]
+    common = {"noise": noise, "partial": args.partial, "samples": embed["embedded"]}
+    common["model"] = model + ("" if pretrained else " (random init, untrained)")
+    for method, summary in runs.items():
+        quality = _quality_fields(summary["quality"][method])
+        emit("label_quality", method=method, **common, **quality)
+    for baseline in ("bmm_posterior", "gmm_posterior"):
+        emit(
+            "label_quality",
+            method=baseline,
+            **common,
+            **_quality_fields(runs["bicro"]["quality"][baseline]),
+        )
+
+    gmm = label("labels_bicro_gmm", method="bicro", mixture_kind="gmm")
+    for kind, summary, name in (("bmm", runs["bicro"], "labels_bicro"), ("gmm", gmm, None)):
+        n_anchors, precision = _anchor_precision(
+            f"{layout.output}/{name or 'labels_bicro_gmm'}", truth
+        )
+        emit(
+            "ablation_bmm_vs_gmm_anchors",
+            mixture=kind,
+            **common,
+            anchors=n_anchors,
+            anchor_precision=precision,
+            clean_subset_precision=summary["quality"]["bicro"]["precision"],
+            auroc=summary["quality"]["bicro"]["auroc"],
+        )
+    rcr = runs["rcr"]["quality"]
+    emit(
+        "ablation_rcr_vs_cosine",
+        **common,
+        rcr_auroc=rcr["rcr"]["auroc"],
+        cosine_on_c_auroc=rcr["rcr_cosine_on_c"]["auroc"],
+        rcr_spearman=rcr["rcr"]["spearman"],
+        cosine_on_c_spearman=rcr["rcr_cosine_on_c"]["spearman"],
+        alpha_mean_auroc=rcr["rcr_alpha_mean"]["auroc"],
+    )
+    in_batch = label("labels_bicro_in_batch", method="bicro", bicro=BicroParams(anchors="in_batch"))
+    emit(
+        "ablation_global_vs_in_batch",
+        **common,
+        global_auroc=runs["bicro"]["quality"]["bicro"]["auroc"],
+        in_batch_auroc=in_batch["quality"]["bicro"]["auroc"],
+        global_spearman=runs["bicro"]["quality"]["bicro"]["spearman"],
+        in_batch_spearman=in_batch["quality"]["bicro"]["spearman"],
+    )
+    label_seconds = runs["bicro"]["seconds"]["total"]
+    emit(
+        "label_pass_overhead",
+        **common,
+        embed_seconds=embed["seconds"],
+        label_seconds=label_seconds,
+        ratio=label_seconds / embed["seconds"] if embed["seconds"] else None,
+        job_seconds=embed_seconds,
+        note="tiny CPU model: the embed pass is unusually cheap, so the ratio overstates it",
+    )
+
+
+def warm_up(args, workdir: Path) -> str:
+    """Warm up views A and B on a 40 %-noise corpus; returns view A's checkpoint."""
+    folder = workdir / "warmup"
+    corpus = folder / "corpus"
+    shards = max(1, args.samples // args.samples_per_shard)
+    make_corpus(
+        corpus,
+        samples=args.samples,
+        noise=0.4,
+        partial=args.partial,
+        seed=args.seed + 1,
+        samples_per_shard=args.samples_per_shard,
+        test_samples=0,
+    )
+    job = load_job(
+        _job(
+            folder,
+            corpus,
+            shards,
+            None,
+            train={"warmup_epochs": args.warmup_epochs},
+            ray={"num_cpus": args.num_cpus},
+        )
+    )
+    run_job(job, log=lambda _: None)
+    return RunLayout(job.output).model_checkpoint(0, "A")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--noise", type=float, nargs="+", default=[0.2, 0.4, 0.6])
+    parser.add_argument("--partial", type=float, default=0.1)
+    parser.add_argument("--samples", type=int, default=4000)
+    parser.add_argument("--samples-per-shard", type=int, default=500)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-cpus", type=int, default=None, help="local Ray CPUs (all)")
+    parser.add_argument(
+        "--model-checkpoint", default=None, help="ncl-tiny checkpoint (.pt) to label with"
+    )
+    parser.add_argument(
+        "--warmup-epochs", type=int, default=0, help="warm a checkpoint up here first (0: no)"
+    )
+    parser.add_argument("--workdir", default=None, help="keep corpora and runs here")
+    args = parser.parse_args()
+
+    from pipeline.runtime import init_ray
+
+    init_ray(None, args.num_cpus)
+    with tempfile.TemporaryDirectory(prefix="ncl-quality-") as scratch:
+        workdir = Path(args.workdir or scratch)
+        workdir.mkdir(parents=True, exist_ok=True)
+        pretrained = args.model_checkpoint
+        if pretrained is None and args.warmup_epochs > 0:
+            started = time.perf_counter()
+            pretrained = warm_up(args, workdir)
+            emit("warmup", epochs=args.warmup_epochs, seconds=time.perf_counter() - started)
+        for noise in args.noise:
+            run_noise_level(noise, args, workdir, pretrained)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""`ncl-pipeline inspect RUN`: a plain-text summary of a run's label tables and quarantine.
+
+Contract: `inspect_run(path)` reads only the label tables (via `pipeline.labels.read_labels`:
+the subset and soft_label columns plus the file metadata), the label pass summary beside them
+when present, and `quarantine/`; it writes nothing and returns the text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+__all__ = ["inspect_run", "label_table_metadata"]
+
+QUANTILES = (0.0, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+
+
+def label_table_metadata(dataset) -> dict[str, str]:
+    """The `ncl.*` metadata of the first label file of a `read_labels` dataset."""
+    import pyarrow.parquet as pq
+
+    first = dataset.files[0]
+    filesystem = dataset.filesystem
+    with filesystem.open_input_file(first) as handle:
+        raw = pq.read_schema(handle).metadata or {}
+    return {k.decode(): v.decode() for k, v in raw.items() if k.startswith(b"ncl.")}
+
+
+def _fit_line(name: str, fit: dict[str, Any]) -> str:
+    if fit.get("no_spread"):
+        return f"  {name:<8} no loss spread: every sample clean (n={fit['n']})"
+    clean, noisy = fit["clean_component"], 1 - fit["clean_component"]
+    text = (
+        f"  {name:<8} clean mean {fit['means'][clean]:.3f} weight {fit['weights'][clean]:.2f} | "
+        f"noisy mean {fit['means'][noisy]:.3f} weight {fit['weights'][noisy]:.2f} | "
+        f"{fit['iterations']} it"
+    )
+    flags = [flag for flag in ("converged", "collapsed") if fit.get(flag)]
+    return text + (f" ({', '.join(flags)})" if flags else "")
+
+
+def _quarantine_lines(run_dir: str) -> list[str]:
+    import fsspec
+    import pyarrow.dataset as ds
+
+    fs, root = fsspec.core.url_to_fs(os.fspath(run_dir))
+    folder = f"{root.rstrip('/')}/quarantine"
+    files = [p for p in fs.glob(f"{folder}/*.parquet")] if fs.isdir(folder) else []
+    if not files:
+        return ["quarantine: none recorded"]
+    local = getattr(fs, "protocol", None) in ("file", ("file", "local"))
+    table = ds.dataset(files, format="parquet", filesystem=None if local else fs).to_table(
+        columns=["reason"]
+    )
+    reasons = table.column("reason").to_pylist()
+    counts: dict[str, int] = {}
+    for reason in reasons:
+        counts[reason] = counts.get(reason, 0) + 1
+    detail = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+    return [f"quarantine: {len(reasons)} rows in {len(files)} files ({detail})"]
+
+
+def inspect_run(path: str | os.PathLike, *, view: str | None = None) -> str:
+    """Counts per subset, soft-label quantiles, mixture fits and the quarantine summary.
+
+    Args:
+        path: run directory (or a label folder / round directory, see `read_labels`).
+        view: which `labels_<view>` of a round directory.
+
+    Returns:
+        The report as text (lines joined by newlines).
+
+    Raises:
+        pipeline.labels.LabelTableError: no label tables under `path`.
+    """
+    from pipeline.io.tables import read_json
+    from pipeline.labels import labels_folder, read_labels
+
+    dataset = read_labels(path, view=view)
+    _, folder = labels_folder(path, view)
+    meta = label_table_metadata(dataset)
+    table = dataset.to_table(columns=["subset", "soft_label"])
+    n = table.num_rows
+    lines = [
+        f"labels: {n} rows in {len(dataset.files)} files under {folder}",
+        f"  schema {meta.get('ncl.schema')}, method {meta.get('ncl.method', '?')}, round "
+        f"{meta.get('ncl.round', '?')}, view {meta.get('ncl.view', '?')}, loss "
+        f"{meta.get('ncl.loss', '?')}, model {meta.get('ncl.model_id')}, "
+        f"job {meta.get('ncl.job_hash')}",
+    ]
+    subset = np.array(table.column("subset").to_pylist(), dtype=object)
+    soft = table.column("soft_label").to_numpy()
+    lines.append("subsets:")
+    for name in ("clean", "quasi_clean", "noisy"):
+        mask = subset == name
+        count = int(mask.sum())
+        mean = f", mean soft_label {soft[mask].mean():.3f}" if count else ""
+        lines.append(f"  {name:<12} {count:>9} ({100.0 * count / max(n, 1):5.1f} %){mean}")
+    if n:
+        values = np.quantile(soft.astype(np.float64), QUANTILES)
+        lines.append(
+            "soft_label quantiles: "
+            + ", ".join(f"p{int(q * 100)} {v:.3f}" for q, v in zip(QUANTILES, values, strict=True))
+        )
+    mixture = json.loads(meta.get("ncl.mixture", "{}") or "{}")
+    fits = mixture.get("fits", {})
+    if fits:
+        lines.append(
+            f"mixture fits on {mixture.get('loss', '?')} (used: {mixture.get('kind', '?')}, "
+            f"threshold {mixture.get('threshold', '?')}):"
+        )
+        lines += [_fit_line(name, fit) for name, fit in fits.items()]
+    summary = read_json(f"{folder}/_label_pass.json")
+    if summary:
+        partition = summary.get("partition") or {}
+        for name, flags in partition.items():
+            lines.append(f"partition {name}: {json.dumps(flags, sort_keys=True)}")
+        quality = summary.get("quality")
+        if quality:
+            lines.append(
+                "label quality (AUROC clean vs mismatched / Spearman / precision / recall):"
+            )
+            for name, q in quality.items():
+                cells = [q.get(key) for key in ("auroc", "spearman", "precision", "recall")]
+                text = " / ".join("-" if c is None else f"{c:.3f}" for c in cells)
+                lines.append(f"  {name:<18} {text}")
+    run_dir = _run_dir_of(folder)
+    lines += _quarantine_lines(run_dir)
+    return "\n".join(lines)
+
+
+def _run_dir_of(folder: str) -> str:
+    """The run directory of a label folder: parent of labels/, or of rounds/<r>/labels_<v>."""
+    parts = folder.rstrip("/").split("/")
+    if len(parts) >= 3 and parts[-3] == "rounds":
+        return "/".join(parts[:-3])
+    return "/".join(parts[:-1])

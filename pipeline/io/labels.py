@@ -1,0 +1,156 @@
+"""The soft-label table `labels.v1` (DESIGN §4.4): its one explicit schema and its JSON export.
+
+Contract:
+- `LABELS_SCHEMA` is the only definition of the label table. The label pass writes every file
+  with it (plus per-file metadata from `labels_file_metadata`), `pipeline.labels.read_labels`
+  reads with it, and `schemas/labels.v1.json` is generated from it (`labels_json_schema`).
+- File-level metadata always holds `ncl.schema=labels.v1`, the pipeline version, the job hash,
+  the model id and the mixture parameters (JSON); `REQUIRED_METADATA` lists those keys.
+  `ncl.shard_path` (the source tar, for report thumbnails) and the method/round/view are
+  recorded too.
+- `SPS_PROXIES_SCHEMA` is the intermediate table of SPS proxy pairs under `rounds/` (free to
+  change, not a contract).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import pyarrow as pa
+
+__all__ = [
+    "LABELS_SCHEMA",
+    "LABELS_SCHEMA_NAME",
+    "REQUIRED_METADATA",
+    "SPS_PROXIES_SCHEMA",
+    "SUBSET_VALUES",
+    "labels_file_metadata",
+    "labels_json_schema",
+]
+
+LABELS_SCHEMA_NAME = "labels.v1"
+SUBSET_VALUES = ("clean", "quasi_clean", "noisy")  # `subset` dictionary values
+
+# (name, type, nullable, description): the table of DESIGN §4.4, in column order.
+_COLUMNS: tuple[tuple[str, pa.DataType, bool, str], ...] = (
+    ("key", pa.string(), False, "img2dataset key, unique in the corpus"),
+    ("shard", pa.string(), False, "tar shard basename, e.g. 00042"),
+    ("url", pa.string(), True, "the sample's url from its json"),
+    ("caption", pa.string(), True, "the sample's caption (txt member)"),
+    (
+        "soft_label",
+        pa.float32(),
+        False,
+        "label in [0, 1] the configured method assigns; what training consumes",
+    ),
+    ("clean_prob", pa.float32(), False, "mixture posterior of the clean component, in [0, 1]"),
+    (
+        "subset",
+        pa.dictionary(pa.int8(), pa.string()),
+        False,
+        "clean / quasi_clean / noisy (method-specific split)",
+    ),
+    ("loss", pa.float32(), False, "per-sample loss the mixture was fitted on"),
+    ("cosine", pa.float32(), False, "image-text cosine similarity (CLIP-score baseline)"),
+    ("bicro", pa.float32(), True, "BiCro soft label before the BiCro* cut, when computed"),
+    ("rcr", pa.float32(), True, "RCR rank-consistency weight w (before masking by C)"),
+    ("sps", pa.float32(), True, "SPS label of the original pair, when computed"),
+    (
+        "image_anchor_key",
+        pa.string(),
+        True,
+        "BiCro: key of the nearest clean anchor by image (SPS: nearest reliable pair)",
+    ),
+    (
+        "text_anchor_key",
+        pa.string(),
+        True,
+        "BiCro: key of the nearest clean anchor by text (SPS: nearest reliable pair)",
+    ),
+    ("round", pa.int16(), False, "co-teaching round that produced the row"),
+)
+
+REQUIRED_METADATA = (
+    "ncl.schema",
+    "ncl.pipeline_version",
+    "ncl.job_hash",
+    "ncl.model_id",
+    "ncl.mixture",
+)
+
+LABELS_SCHEMA = pa.schema(
+    [
+        pa.field(name, dtype, nullable=nullable, metadata={"description": text})
+        for name, dtype, nullable, text in _COLUMNS
+    ],
+    metadata={"ncl.schema": LABELS_SCHEMA_NAME},
+)
+
+SPS_PROXIES_SCHEMA = pa.schema(
+    [
+        pa.field("key", pa.string(), nullable=False),  # the noisy pair
+        pa.field("image_proxy_key", pa.string(), nullable=True),  # İ: nearest reliable image
+        pa.field("y_p_img", pa.float32(), nullable=False),  # label of (I_n, proxy caption)
+        pa.field("s_img", pa.float32(), nullable=False),  # S(I_n, İ)
+        pa.field("text_proxy_key", pa.string(), nullable=True),  # T̈: nearest reliable text
+        pa.field("y_p_txt", pa.float32(), nullable=False),  # label of (proxy image, T_n)
+        pa.field("s_txt", pa.float32(), nullable=False),  # S(T_n, T̈)
+    ],
+    metadata={"ncl.schema": "sps_proxies.v0"},
+)
+
+
+def labels_file_metadata(
+    *,
+    pipeline_version: str,
+    job_hash: str,
+    model_id: str,
+    mixture: Mapping[str, Any],
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The file-level metadata of one label table (DESIGN §4.4), as Parquet key/value strings.
+
+    Args:
+        pipeline_version: `pipeline.__version__`.
+        job_hash: hash of the job that produced the table.
+        model_id: the model whose embeddings and losses were labelled.
+        mixture: JSON-ready mixture parameters (`MixtureFit.to_dict` per fit).
+        extra: more `ncl.*` keys (method, round, view, shard path).
+    """
+    metadata = {
+        "ncl.schema": LABELS_SCHEMA_NAME,
+        "ncl.pipeline_version": pipeline_version,
+        "ncl.job_hash": job_hash,
+        "ncl.model_id": model_id,
+        "ncl.mixture": json.dumps(mixture, sort_keys=True),
+    }
+    metadata.update(extra or {})
+    return metadata
+
+
+def labels_json_schema() -> dict[str, Any]:
+    """`schemas/labels.v1.json`: the column list and the required file metadata."""
+    return {
+        "title": LABELS_SCHEMA_NAME,
+        "description": (
+            "Soft correspondence labels, one Parquet file per input shard under <output>/labels/ "
+            "(DESIGN §4.4). Written with exactly these columns, in this order."
+        ),
+        "columns": [
+            {
+                "name": field.name,
+                "type": str(field.type),
+                "nullable": field.nullable,
+                "description": field.metadata[b"description"].decode(),
+            }
+            for field in LABELS_SCHEMA
+        ],
+        "subset_values": list(SUBSET_VALUES),
+        "file_metadata": {
+            "required": list(REQUIRED_METADATA),
+            "ncl.schema": LABELS_SCHEMA_NAME,
+            "ncl.mixture": "JSON object: fitted mixture parameters of the label pass",
+        },
+    }

@@ -1,0 +1,106 @@
+"""Public reader of the soft-label tables (`labels.v1`, DESIGN §4.4).
+
+Contract: `read_labels(path)` returns a `pyarrow.dataset.Dataset` over one folder of label
+tables, with the explicit `LABELS_SCHEMA`, after checking that every file declares
+`ncl.schema=labels.v1` in its Parquet metadata. It reads nothing else: filter, project and
+convert with pyarrow (`.to_table(columns=[...], filter=...)`, `.to_batches()`), or hand the
+files to pandas / polars / DuckDB / Spark.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow.dataset as ds
+
+from pipeline.io.labels import LABELS_SCHEMA, LABELS_SCHEMA_NAME
+
+__all__ = ["LabelTableError", "labels_folder", "read_labels"]
+
+
+class LabelTableError(ValueError):
+    """The path holds no label tables, or a file that is not a `labels.v1` table."""
+
+
+def _fs(path: str):
+    import fsspec
+
+    return fsspec.core.url_to_fs(path)
+
+
+def _parquet_files(fs, folder: str) -> list[str]:
+    if not fs.isdir(folder):
+        return []
+    return sorted(
+        p
+        for p in fs.ls(folder, detail=False)
+        if p.endswith(".parquet") and not os.path.basename(p).startswith((".", "_"))
+    )
+
+
+def labels_folder(path: str | os.PathLike, view: str | None = None) -> tuple[object, str]:
+    """Resolve `path` to (filesystem, folder of label tables).
+
+    Accepted: a run directory (its `labels/`), a folder of label tables itself
+    (`labels/`, `rounds/<r>/labels_<view>/`), or a round directory `rounds/<r>` (its
+    `labels_<view>/`; `view` picks one when there are several).
+
+    Raises:
+        LabelTableError: nothing matching holds label tables.
+    """
+    fs, root = _fs(os.fspath(path))
+    root = root.rstrip("/")
+    for candidate in (f"{root}/labels", root):
+        if _parquet_files(fs, candidate):
+            return fs, candidate
+    if fs.isdir(root):
+        names = sorted(
+            os.path.basename(p.rstrip("/"))
+            for p in fs.ls(root, detail=False)
+            if os.path.basename(p.rstrip("/")).startswith("labels_") and fs.isdir(p)
+        )
+        if view is not None:
+            names = [n for n in names if n == f"labels_{view}"]
+        names = [n for n in names if _parquet_files(fs, f"{root}/{n}")]
+        if len(names) == 1:
+            return fs, f"{root}/{names[0]}"
+        if names:
+            raise LabelTableError(
+                f"{path} holds label tables of several views ({', '.join(names)}): pass view="
+            )
+    raise LabelTableError(
+        f"no label tables under {path}: expected <run>/labels/*.parquet, a folder of label "
+        "tables, or a round directory with labels_<view>/ (has the label pass run?)"
+    )
+
+
+def read_labels(path: str | os.PathLike, *, view: str | None = None) -> ds.Dataset:
+    """The label tables under `path` as one pyarrow Dataset (schema `labels.v1`).
+
+    Args:
+        path: run directory, label folder or round directory (see `labels_folder`); a local
+            path or an fsspec URL.
+        view: for a round directory with several `labels_<view>/` folders, which one.
+
+    Returns:
+        A `pyarrow.dataset.Dataset` with schema `LABELS_SCHEMA`, one fragment per shard.
+
+    Raises:
+        LabelTableError: no label tables, or a file whose `ncl.schema` is not `labels.v1`.
+    """
+    import pyarrow.parquet as pq
+
+    fs, folder = labels_folder(path, view)
+    files = _parquet_files(fs, folder)
+    for name in files:
+        with fs.open(name, "rb") as handle:
+            metadata = pq.read_schema(handle).metadata or {}
+        found = metadata.get(b"ncl.schema", b"").decode()
+        if found != LABELS_SCHEMA_NAME:
+            raise LabelTableError(
+                f"{name} is not a {LABELS_SCHEMA_NAME} label table (ncl.schema={found or 'none'})"
+            )
+    local = getattr(fs, "protocol", None) in ("file", ("file", "local"))
+    return ds.dataset(
+        files, schema=LABELS_SCHEMA, format="parquet", filesystem=None if local else fs
+    )

@@ -1,0 +1,335 @@
+"""`ncl-pipeline report RUN`: `<run>/report/index.html` with PNG figures (matplotlib, Agg).
+
+Contract: `write_report(run_dir)` reads the label tables (`pipeline.labels.read_labels`), their
+metadata (mixture fits, source shard paths), the label pass summary and, when available, the
+ground truth; it writes only under `<run>/report/`:
+- `loss_mixture.png`: histogram of the normalised losses with the fitted BMM and GMM densities
+  (each component and the sum) and the clean/noisy threshold of each (BiCro Fig. 4 style);
+- `soft_labels.png`: soft_label and clean_prob histograms split by the true kind (clean /
+  partial / mismatched) when ground truth exists, else by subset;
+- `thumbs/*.png` + a gallery of the 24 lowest-labelled pairs: thumbnail (read from the source
+  tar named in the table metadata), caption, label, and the caption of its nearest anchor;
+- `index.html` tying them together with `inspect_run`'s text and the quality table.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+__all__ = ["write_report"]
+
+GALLERY_SIZE = 24
+THUMB_SIZE = 112
+KIND_COLOURS = {"clean": "tab:green", "partial": "tab:orange", "mismatched": "tab:red"}
+SUBSET_COLOURS = {"clean": "tab:green", "quasi_clean": "tab:orange", "noisy": "tab:red"}
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as exc:  # pragma: no cover - matplotlib is a dependency
+        raise ImportError("the report needs matplotlib: pip install matplotlib") from exc
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, fs, path: str) -> None:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    with fs.open(path, "wb") as handle:
+        handle.write(buffer.getvalue())
+
+
+def _threshold_x(fit, threshold: float) -> float | None:
+    """Normalised loss where the clean posterior first drops to `threshold` (None: never)."""
+    from pipeline.core.mixture import clean_posterior
+
+    grid = np.linspace(0.0, 1.0, 4097)
+    prob = clean_posterior(fit, fit.lo + grid * (fit.hi - fit.lo))
+    below = np.flatnonzero(prob <= threshold)
+    return float(grid[below[0]]) if below.size else None
+
+
+def _densities(fit, x: np.ndarray) -> list[np.ndarray]:
+    from scipy.stats import beta, norm
+
+    parts = []
+    for k in range(2):
+        if fit.kind == "bmm":
+            pdf = beta.pdf(np.clip(x, 1e-4, 1 - 1e-4), fit.alphas[k], fit.betas[k])
+        else:
+            pdf = norm.pdf(x, fit.means[k], np.sqrt(fit.variances[k]))
+        parts.append(fit.weights[k] * pdf)
+    return parts
+
+
+def _loss_figure(plt, loss: np.ndarray, mixture: dict[str, Any]):
+    from pipeline.core.mixture import MixtureFit, normalise_losses
+
+    fits = {name: MixtureFit.from_dict(f) for name, f in mixture.get("fits", {}).items()}
+    threshold = float(mixture.get("threshold", 0.5))
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    reference = fits.get("bmm") or fits.get("gmm")
+    if reference is None or reference.no_spread:
+        ax.hist(loss[np.isfinite(loss)], bins=80, color="0.7")
+        ax.set_xlabel(f"loss ({mixture.get('loss', '?')})")
+        ax.set_title("loss histogram (no mixture fitted: no loss spread)")
+        return fig
+    x = normalise_losses(loss[np.isfinite(loss)], reference.lo, reference.hi)
+    ax.hist(x, bins=80, range=(0, 1), density=True, color="0.8", label="losses")
+    grid = np.linspace(0.0005, 0.9995, 600)
+    styles = {"bmm": ("tab:blue", "-"), "gmm": ("tab:purple", "--")}
+    for name, (colour, style) in styles.items():
+        fit = fits.get(name)
+        if fit is None or fit.no_spread:
+            continue
+        parts = _densities(fit, grid)
+        ax.plot(grid, parts[0] + parts[1], color=colour, ls=style, lw=2, label=name.upper())
+        for k, part in enumerate(parts):
+            which = "clean" if k == fit.clean_component else "noisy"
+            ax.plot(grid, part, color=colour, ls=style, lw=0.8, alpha=0.6)
+            peak = int(np.argmax(part))
+            ax.annotate(which, (grid[peak], part[peak]), color=colour, fontsize=7)
+        cut = _threshold_x(fit, threshold)
+        if cut is not None:
+            ax.axvline(cut, color=colour, ls=":", lw=1.2, label=f"{name.upper()} p={threshold}")
+    ax.set_xlim(0, 1)
+    top = np.percentile(np.histogram(x, bins=80, range=(0, 1), density=True)[0], 99)
+    ax.set_ylim(0, max(top * 1.4, 1.0))
+    ax.set_xlabel(f"normalised loss ({mixture.get('loss', '?')}, min-max over the corpus)")
+    ax.set_ylabel("density")
+    used = mixture.get("kind", "?").upper()
+    ax.set_title(f"per-sample loss with fitted mixtures (labels use {used})")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _label_figure(plt, soft, prob, groups, colours, title):
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    bins = np.linspace(0, 1, 41)
+    for ax, values, name in ((axes[0], soft, "soft_label"), (axes[1], prob, "clean_prob")):
+        for group, colour in colours.items():
+            mask = groups == group
+            if mask.any():
+                ax.hist(
+                    values[mask],
+                    bins=bins,
+                    histtype="step",
+                    lw=1.6,
+                    color=colour,
+                    label=f"{group} ({int(mask.sum())})",
+                )
+        ax.set_xlabel(name)
+        ax.set_ylabel("pairs")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    return fig
+
+
+def _ground_truth_path(ground_truth, summary, run_dir) -> str | None:
+    from pipeline.io.tables import file_exists, read_json
+
+    candidates = [ground_truth, (summary or {}).get("ground_truth")]
+    manifest = read_json(f"{run_dir}/manifest.json") or {}
+    candidates.append(((manifest.get("job") or {}).get("eval") or {}).get("ground_truth"))
+    for path in candidates:
+        if path and file_exists(path):
+            return path
+    return None
+
+
+def _file_key(key: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:120]
+
+
+def _thumbnails(wanted: dict[str, list[str]], shard_paths: dict[str, str], fs, folder: str):
+    """Write thumbnails of `wanted` {shard: [keys]}; returns {key: relative path}."""
+    from pipeline.io.shards import RawRecord, decode_record, iter_shard_records
+
+    out = {}
+    for shard, keys in wanted.items():
+        path = shard_paths.get(shard)
+        if not path:
+            continue
+        remaining = set(keys)
+        try:
+            for record in iter_shard_records(path):
+                if not remaining:
+                    break
+                if not isinstance(record, RawRecord) or record.key not in remaining:
+                    continue
+                remaining.discard(record.key)
+                sample = decode_record(record)
+                if not hasattr(sample, "image"):
+                    continue
+                image = sample.image.copy()
+                image.thumbnail((THUMB_SIZE, THUMB_SIZE))
+                buffer = io.BytesIO()
+                image.save(buffer, format="PNG")
+                name = f"thumbs/{_file_key(record.key)}.png"
+                with fs.open(f"{folder}/{name}", "wb") as handle:
+                    handle.write(buffer.getvalue())
+                out[record.key] = name
+        except Exception:  # noqa: BLE001 - a missing or moved tar only costs its thumbnails
+            continue
+    return out
+
+
+def write_report(
+    run_dir: str | os.PathLike,
+    *,
+    view: str | None = None,
+    ground_truth: str | None = None,
+    gallery_size: int = GALLERY_SIZE,
+) -> str:
+    """Write `<run>/report/index.html` and its PNGs; returns the index path.
+
+    Args:
+        run_dir: run directory (or a label folder / round directory; the report then goes to
+            the run directory that holds it).
+        view: which `labels_<view>` of a round directory.
+        ground_truth: ground_truth.parquet (default: the label pass's, else the job's).
+        gallery_size: lowest-labelled pairs shown.
+
+    Raises:
+        pipeline.labels.LabelTableError: no label tables under `run_dir`.
+    """
+    import json
+
+    import fsspec
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from pipeline.inspect_run import _run_dir_of, inspect_run, label_table_metadata
+    from pipeline.io.tables import read_json
+    from pipeline.labels import labels_folder, read_labels
+
+    plt = _pyplot()
+    dataset = read_labels(run_dir, view=view)
+    _, folder = labels_folder(run_dir, view)
+    root = _run_dir_of(folder)
+    fs, _ = fsspec.core.url_to_fs(root)
+    out = f"{root}/report"
+    fs.makedirs(f"{out}/thumbs", exist_ok=True)
+    meta = label_table_metadata(dataset)
+    mixture = json.loads(meta.get("ncl.mixture", "{}") or "{}")
+    summary = read_json(f"{folder}/_label_pass.json")
+    columns = ["key", "shard", "caption", "soft_label", "clean_prob", "subset", "loss"]
+    columns += ["image_anchor_key", "text_anchor_key"]
+    table = dataset.to_table(columns=columns)
+    soft = table.column("soft_label").to_numpy()
+    prob = table.column("clean_prob").to_numpy()
+    keys = np.array(table.column("key").to_pylist(), dtype=object)
+
+    fig = _loss_figure(plt, table.column("loss").to_numpy().astype(np.float64), mixture)
+    _save(fig, fs, f"{out}/loss_mixture.png")
+    plt.close(fig)
+
+    truth_path = _ground_truth_path(ground_truth, summary, root)
+    if truth_path:
+        truth = pq.read_table(truth_path, columns=["key", "kind"])
+        kind_of = dict(
+            zip(truth.column("key").to_pylist(), truth.column("kind").to_pylist(), strict=True)
+        )
+        groups = np.array([kind_of.get(k, "unknown") for k in keys], dtype=object)
+        fig = _label_figure(plt, soft, prob, groups, KIND_COLOURS, "by true kind (ground truth)")
+    else:
+        groups = np.array(table.column("subset").to_pylist(), dtype=object)
+        fig = _label_figure(plt, soft, prob, groups, SUBSET_COLOURS, "by subset (no ground truth)")
+    _save(fig, fs, f"{out}/soft_labels.png")
+    plt.close(fig)
+
+    # Gallery: lowest labels first, ties by key.
+    order = np.lexsort((keys.astype(str), soft))[:gallery_size]
+    shards = table.column("shard").to_pylist()
+    anchor_keys = table.column("image_anchor_key").to_pylist()
+    text_anchor_keys = table.column("text_anchor_key").to_pylist()
+    captions = table.column("caption").to_pylist()
+    subsets = table.column("subset").to_pylist()
+    wanted: dict[str, list[str]] = {}
+    for row in order:
+        wanted.setdefault(shards[row], []).append(keys[row])
+    shard_paths = {}
+    for path in dataset.files:
+        with dataset.filesystem.open_input_file(path) as handle:
+            file_meta = pq.read_schema(handle).metadata or {}
+        shard = os.path.basename(path)[: -len(".parquet")]
+        shard_paths[shard] = file_meta.get(b"ncl.shard_path", b"").decode()
+    thumbs = _thumbnails(wanted, shard_paths, fs, out)
+    anchors = {a for row in order for a in (anchor_keys[row], text_anchor_keys[row]) if a}
+    anchor_caption = {}
+    if anchors:
+        found = dataset.to_table(
+            columns=["key", "caption"], filter=pc.field("key").isin(sorted(anchors))
+        )
+        anchor_caption = dict(
+            zip(found.column("key").to_pylist(), found.column("caption").to_pylist(), strict=True)
+        )
+
+    rows_html = []
+    for row in order:
+        key = keys[row]
+        image = (
+            f'<img src="{html.escape(thumbs[key])}" alt="{html.escape(key)}">'
+            if key in thumbs
+            else "<em>no thumbnail</em>"
+        )
+        anchor = anchor_keys[row] or text_anchor_keys[row]
+        anchor_text = anchor_caption.get(anchor, "") if anchor else ""
+        gt = f"<br>true: {html.escape(str(groups[row]))}" if truth_path else ""
+        rows_html.append(
+            "<tr>"
+            f"<td>{image}</td>"
+            f"<td><code>{html.escape(key)}</code><br>{html.escape(captions[row] or '')}</td>"
+            f"<td>{soft[row]:.3f}<br>p={prob[row]:.3f}<br>{html.escape(subsets[row])}{gt}</td>"
+            f"<td>{html.escape(anchor_text) or '<em>none</em>'}"
+            f"{'<br><code>' + html.escape(anchor) + '</code>' if anchor else ''}</td>"
+            "</tr>"
+        )
+    quality_html = ""
+    if summary and summary.get("quality"):
+        cells = []
+        for name, q in summary["quality"].items():
+            values = [q.get(k) for k in ("auroc", "spearman", "precision", "recall")]
+            text = "".join(f"<td>{'-' if v is None else f'{v:.3f}'}</td>" for v in values)
+            cells.append(f"<tr><td>{html.escape(name)}</td>{text}</tr>")
+        quality_html = (
+            "<h2>Label quality</h2><table class=q><tr><th>score</th><th>AUROC</th>"
+            "<th>Spearman</th><th>precision</th><th>recall</th></tr>" + "".join(cells) + "</table>"
+        )
+    text = html.escape(inspect_run(run_dir, view=view))
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>ncl-pipeline report</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; max-width: 1100px; }}
+table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ccc; padding: 4px 8px; }}
+table.g td {{ vertical-align: top; font-size: 13px; }} table.q td {{ text-align: right; }}
+pre {{ background: #f6f6f6; padding: 1em; font-size: 12px; }}
+</style></head><body>
+<h1>ncl-pipeline report</h1>
+<p>{html.escape(folder)}: method <b>{html.escape(meta.get("ncl.method", "?"))}</b>,
+round {html.escape(meta.get("ncl.round", "?"))}, model {html.escape(meta.get("ncl.model_id", "?"))}
+</p>
+<pre>{text}</pre>
+{quality_html}
+<h2>Loss distribution and mixtures</h2><img src="loss_mixture.png" alt="loss mixture">
+<h2>Soft labels</h2><img src="soft_labels.png" alt="soft labels">
+<h2>The {len(order)} lowest-labelled pairs</h2>
+<table class=g>
+<tr><th>image</th><th>caption</th><th>label</th><th>nearest anchor's caption</th></tr>
+{"".join(rows_html)}
+</table></body></html>
+"""
+    index = f"{out}/index.html"
+    with fs.open(index, "w") as handle:
+        handle.write(page)
+    return index

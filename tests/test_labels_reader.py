@@ -1,0 +1,142 @@
+"""Embed -> label on the demo corpus (local Ray): reconciliation, reader, inspect and report.
+
+The tiny model is random (no warm-up), so labels are near chance here; label quality is tested
+on synthetic embeddings in test_label_pass.py.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pyarrow.dataset as ds
+import pytest
+
+import pipeline
+from pipeline.config import load_job
+from pipeline.inspect_run import inspect_run
+from pipeline.io.labels import LABELS_SCHEMA
+from pipeline.io.layout import RunLayout
+from pipeline.io.shards import iter_shard_records, shard_name
+from pipeline.labels import LabelTableError, read_labels
+from pipeline.report import write_report
+from pipeline.runner import resolve_inputs, run_job
+from pipeline.stages.labels import LabelSpec, run_label_pass
+
+pytestmark = pytest.mark.ray
+
+JOB = """
+name: labels-test
+input: {{shards: "{corpus}/{{00000..00003}}.tar"}}
+output: {output}
+model: {{name: ncl-tiny, pretrained: null}}
+embed: {{batch_size: 32, gpus_per_worker: 0, cpus_per_worker: 1, decode_threads: 2, concurrency: 2}}
+labels: {{method: bicro}}
+index: {{shards: 2}}
+train: {{warmup_epochs: 0}}
+eval: {{ground_truth: {corpus}/ground_truth.parquet}}
+seed: 5
+"""
+
+
+@pytest.fixture(scope="module")
+def labelled_run(local_ray, tmp_path_factory) -> dict:
+    from pipeline.data.synthetic import make_corpus
+
+    root = tmp_path_factory.mktemp("labels_e2e")
+    make_corpus(
+        root / "demo",
+        samples=600,
+        noise=0.4,
+        partial=0.1,
+        seed=4,
+        samples_per_shard=150,
+        test_samples=0,
+        corrupt=0.03,
+    )
+    job_file = root / "job.yaml"
+    job_file.write_text(JOB.format(corpus=root / "demo", output=root / "run"))
+    job = load_job(job_file)
+    run_job(job, log=lambda _: None)
+    paths = resolve_inputs(job)
+    spec = LabelSpec.from_job(
+        job, round_index=0, view="a", shard_paths=paths, out_dir=RunLayout(job.output).labels_dir
+    )
+    lines: list[str] = []
+    summary = run_label_pass(spec, log=lines.append)
+    return {"job": job, "paths": paths, "spec": spec, "summary": summary, "log": lines}
+
+
+def test_labels_and_quarantine_cover_the_input_exactly_once(labelled_run):
+    out = Path(labelled_run["job"].output)
+    expected = set()
+    for path in labelled_run["paths"]:
+        for item in iter_shard_records(path):
+            if item.key is not None:
+                expected.add((shard_name(path), item.key))
+    labels = read_labels(out).to_table(columns=["shard", "key"])
+    quarantine = ds.dataset(out / "quarantine", format="parquet").to_table(columns=["shard", "key"])
+    label_keys = list(zip(labels["shard"].to_pylist(), labels["key"].to_pylist(), strict=True))
+    quarantine_keys = list(
+        zip(quarantine["shard"].to_pylist(), quarantine["key"].to_pylist(), strict=True)
+    )
+    assert len(label_keys) == len(set(label_keys))
+    assert len(quarantine_keys) == len(set(quarantine_keys)) and quarantine.num_rows > 0
+    assert not set(label_keys) & set(quarantine_keys)
+    assert set(label_keys) | set(quarantine_keys) == expected
+    embeddings = ds.dataset(out / "rounds/0/embeddings", format="parquet").count_rows()
+    assert labels.num_rows == embeddings == labelled_run["summary"]["samples"]
+
+
+def test_reader_schema_and_public_export(labelled_run, tmp_path):
+    out = labelled_run["job"].output
+    dataset = pipeline.read_labels(out)
+    assert dataset.schema.remove_metadata() == LABELS_SCHEMA.remove_metadata()
+    assert len(dataset.files) == 4
+    table = dataset.to_table()
+    assert table.column("bicro").null_count == 0 and table.column("rcr").null_count == len(table)
+    subsets = set(table.column("subset").to_pylist())
+    assert subsets <= {"clean", "noisy"}
+    named = np.array(table.column("image_anchor_key").to_pylist(), dtype=object)
+    keys = set(table.column("key").to_pylist())
+    assert all(k in keys for k in named[named != None])  # noqa: E711
+    with pytest.raises(LabelTableError, match="not a labels.v1"):
+        read_labels(Path(out) / "quarantine")
+    with pytest.raises(LabelTableError, match="no label tables"):
+        read_labels(tmp_path)
+
+
+def test_round_directory_and_view(labelled_run):
+    job = labelled_run["job"]
+    spec = LabelSpec.from_job(job, round_index=0, view="a", shard_paths=labelled_run["paths"])
+    spec = LabelSpec(**{**spec.__dict__, "method": "cosine", "ground_truth": None})
+    run_label_pass(spec, log=lambda _: None)
+    round_dir = RunLayout(job.output).round_dir(0)
+    table = read_labels(round_dir, view="a").to_table()
+    assert table.num_rows == labelled_run["summary"]["samples"]
+    assert table.column("bicro").null_count == table.num_rows
+
+
+def test_quality_table_and_log(labelled_run):
+    quality = labelled_run["summary"]["quality"]
+    for name in ("bicro", "cosine", "bmm_posterior", "gmm_posterior"):
+        assert quality[name]["auroc"] is not None and 0 <= quality[name]["auroc"] <= 1
+        assert quality[name]["n_pairs"] == labelled_run["summary"]["samples"]
+    assert quality["bicro"]["precision"] is not None
+    assert any(line.startswith("label quality") for line in labelled_run["log"])
+    assert labelled_run["summary"]["index"]["shards"] == 2
+
+
+def test_inspect_and_report(labelled_run):
+    out = labelled_run["job"].output
+    text = inspect_run(out)
+    assert re.search(r"clean\s+\d+", text) and "soft_label quantiles" in text
+    assert "bmm" in text and "quarantine:" in text and "label quality" in text
+    index = Path(write_report(out))
+    assert index == Path(out) / "report" / "index.html"
+    page = index.read_text()
+    assert (index.parent / "loss_mixture.png").stat().st_size > 1000
+    assert (index.parent / "soft_labels.png").stat().st_size > 1000
+    assert page.count('src="thumbs/') == 24
+    assert "lowest-labelled" in page and "AUROC" in page
