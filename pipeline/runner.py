@@ -178,6 +178,11 @@ def run_job(job: JobConfig, log: Callable[[str], None] = print) -> dict:
     )
     record("labels_a", label_round, "labels_a", run_label_pass(label_spec, log=log))
     log(f"labels: {layout.labels_dir}/ (read with pipeline.read_labels('{layout.output}'))")
+
+    # 4. The HTML report (loss histogram with fits, label histograms, lowest-labelled gallery).
+    from pipeline.report import write_report
+
+    log(f"report: {write_report(layout.output)}")
     return metrics
 
 

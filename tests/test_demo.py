@@ -55,3 +55,7 @@ def test_demo_job_runs_from_the_cli(tmp_path):
     assert {v: len(info["history"]) for v, info in warmup["views"].items()} == {"A": 2, "B": 2}
     assert set(metrics["rounds"]["0"]["retrieval"]) == {"A", "B", "A+B"}
     assert "retrieval on the test split" in result.stdout
+    assert (out / "report" / "index.html").exists()
+    assert len(list((out / "labels").glob("*.parquet"))) == 8
+    quality = metrics["rounds"]["1"]["labels_a"]["quality"]
+    assert quality and "cosine" in json.dumps(quality) and "bicro" in json.dumps(quality)
