@@ -183,6 +183,11 @@ def run_job(job: JobConfig, log: Callable[[str], None] = print) -> dict:
     from pipeline.report import write_report
 
     log(f"report: {write_report(layout.output)}")
+    if job.train.rounds > 0:
+        log(
+            f"note: train.rounds={job.train.rounds}: co-teaching rounds are not implemented yet; "
+            "the labels above come from the warmed-up model A"
+        )
     return metrics
 
 
