@@ -58,13 +58,14 @@ def labelled_run(local_ray, tmp_path_factory) -> dict:
     job_file = root / "job.yaml"
     job_file.write_text(JOB.format(corpus=root / "demo", output=root / "run"))
     job = load_job(job_file)
-    run_job(job, log=lambda _: None)
+    lines: list[str] = []
+    # run_job runs the label pass (round 0 here: no warm-up) after the embed pass.
+    metrics = run_job(job, log=lines.append)
+    summary = metrics["rounds"]["0"]["labels_a"]
     paths = resolve_inputs(job)
     spec = LabelSpec.from_job(
         job, round_index=0, view="a", shard_paths=paths, out_dir=RunLayout(job.output).labels_dir
     )
-    lines: list[str] = []
-    summary = run_label_pass(spec, log=lines.append)
     return {"job": job, "paths": paths, "spec": spec, "summary": summary, "log": lines}
 
 
