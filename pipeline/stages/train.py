@@ -213,15 +213,17 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def _step_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, weight, selecting: bool):
     """The training objective of one batch (returns the loss and the plain InfoNCE for logs)."""
-    loss_i2t, loss_t2i = infonce_per_sample(image_emb, text_emb, logit_scale)
-    plain = 0.5 * (loss_i2t + loss_t2i)  # (B,)
     if spec.mode == "labels":
-        return weighted_infonce(image_emb, text_emb, logit_scale, weight), plain.mean()
-    if selecting:
-        # The temperature is shared by every pair: trained on the easiest 30% alone it grows
-        # until the other pairs' losses blow up (measured: InfoNCE 3.7 -> 7.2 in one epoch).
-        loss_i2t, loss_t2i = infonce_per_sample(image_emb, text_emb, logit_scale.detach())
-        plain = 0.5 * (loss_i2t + loss_t2i)
+        loss = weighted_infonce(image_emb, text_emb, logit_scale, weight)
+        loss_i2t, loss_t2i = infonce_per_sample(
+            image_emb.detach(), text_emb.detach(), logit_scale.detach()
+        )
+        return loss, (0.5 * (loss_i2t + loss_t2i)).mean()
+    # The temperature is shared by every pair: trained on the easiest 30% alone it grows until
+    # the other pairs' losses blow up (measured: InfoNCE 3.7 -> 7.2 in one epoch).
+    scale = logit_scale.detach() if selecting else logit_scale
+    loss_i2t, loss_t2i = infonce_per_sample(image_emb, text_emb, scale)
+    plain = 0.5 * (loss_i2t + loss_t2i)  # (B,)
     per_sample = triplet_per_sample(image_emb, text_emb) if spec.loss == "triplet" else plain
     if selecting:
         keep = select_small_loss(per_sample.detach(), spec.select_ratio)
