@@ -185,7 +185,53 @@ class WarmupConfig(_Section):
     )
 
 
+class BicroTrainConfig(_Section):
+    noisy_start: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Fraction of the co-teaching epochs trained on the clean subset only before "
+        "the noisy subset joins (BiCro: half).",
+    )
+
+
+class SpsTrainConfig(_Section):
+    quasi_start: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="Fraction of the co-teaching epochs before the quasi-clean subset joins "
+        "(SPS code: epoch 10 of 40).",
+    )
+    noisy_start: float = Field(
+        0.375,
+        ge=0,
+        le=1,
+        description="Fraction of the co-teaching epochs before noisy pairs join as proxy pairs "
+        "(SPS code: epoch 15 of 40).",
+    )
+    lambda_cro: float = Field(
+        25.0, ge=0, description="Weight of L_cro (cross-modal consistency) on reliable pairs."
+    )
+    lambda_met: float = Field(
+        25.0, ge=0, description="Weight of L_met (intra-modal metric consistency) on reliable pairs."
+    )
+
+
 class TrainConfig(_Section):
+    mode: Literal["coteach", "vanilla", "oracle"] = Field(
+        "coteach",
+        description="coteach: each model trains on the labels the other estimated; vanilla: "
+        "every pair weight 1 (baseline); oracle: ground-truth clean pairs only (needs "
+        "eval.ground_truth; demo and benchmarks).",
+    )
+    label_loss: Literal["weighted_infonce", "soft_margin_triplet"] = Field(
+        "weighted_infonce",
+        description="How co-teaching consumes soft labels: per-pair weights in InfoNCE (CLIP), "
+        "or BiCro's soft-margin hardest-negative triplet (bicro/cosine only, for parity).",
+    )
+    bicro: BicroTrainConfig = BicroTrainConfig()
+    sps: SpsTrainConfig = SpsTrainConfig()
     rounds: int = Field(2, ge=0, description="Co-teaching rounds after warm-up.")
     warmup_epochs: int = Field(
         1, ge=0, description="Maximum warm-up epochs (the length adapts below it); 0 = none."
@@ -242,6 +288,23 @@ class JobConfig(_Section):
     def _name_is_simple(self) -> JobConfig:
         if not self.name or any(c in self.name for c in "/\\ "):
             raise ValueError("name must be non-empty without '/', '\\' or spaces")
+        return self
+
+    @model_validator(mode="after")
+    def _training_fits_labels(self) -> JobConfig:
+        if self.train.mode == "oracle" and self.eval.ground_truth is None:
+            raise ValueError(
+                "train.mode=oracle trains on the ground-truth clean pairs: set "
+                "eval.ground_truth to the corpus's ground_truth.parquet"
+            )
+        if self.train.label_loss == "soft_margin_triplet" and self.labels.method not in (
+            "bicro",
+            "cosine",
+        ):
+            raise ValueError(
+                f"train.label_loss=soft_margin_triplet reads labels as margins (BiCro); "
+                f"labels.method={self.labels.method} needs train.label_loss=weighted_infonce"
+            )
         return self
 
     def stage_hash(self, *sections: str) -> str:
@@ -340,6 +403,9 @@ def _describe_error(error: dict[str, Any]) -> str:
         return f"unknown key '{dotted}'" + (f" ({'; '.join(hints)})" if hints else "")
     if kind == "missing":
         return f"missing required key '{dotted}': add it to the job file or pass --set {dotted}=..."
+    if not path and kind == "value_error":
+        # A whole-job check (e.g. train.mode vs eval.ground_truth): its message names the keys.
+        return str(error["msg"]).removeprefix("Value error, ")
     value = error.get("input")
     plain = isinstance(value, (str, int, float, bool, type(None)))
     shown = json.dumps(value) if plain else repr(value)

@@ -1,0 +1,90 @@
+"""Co-teaching schedule and per-method training targets (pipeline.core.coteach)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.core.coteach import Phase, coteach_phase, training_targets
+from pipeline.core.partition import CLEAN, NOISY, QUASI_CLEAN
+
+SUBSET = np.array([CLEAN, CLEAN, QUASI_CLEAN, NOISY, NOISY])
+LABEL = np.array([1.0, 0.7, 0.6, 0.3, 0.0], dtype=np.float32)
+
+
+def test_bicro_noisy_subset_joins_after_half_the_epochs_whatever_the_round_split():
+    # 2 rounds x 2 epochs or 1 round x 4 epochs: the same global switch at epoch 2.
+    phases = [coteach_phase(e, 4, method="bicro").noisy for e in range(4)]
+    assert phases == [False, False, True, True]
+    assert coteach_phase(0, 1, method="bicro").noisy is True  # as the reference's E // 2 = 0
+    assert coteach_phase(0, 2, bicro_noisy_start=0.0, method="bicro").noisy is True
+
+
+def test_sps_schedule_matches_the_reference_epochs():
+    # SPS code: 40 epochs, quasi-clean from epoch 10, noisy from epoch 15.
+    quasi = [coteach_phase(e, 40, method="sps").quasi_clean for e in range(40)]
+    noisy = [coteach_phase(e, 40, method="sps").noisy for e in range(40)]
+    assert quasi.index(True) == 10 and all(quasi[10:])
+    assert noisy.index(True) == 15 and all(noisy[15:])
+    assert coteach_phase(3, 8, method="sps").noisy is True  # 0.375 * 8 = 3 despite float error
+
+
+def test_phase_rejects_bad_epochs_and_methods():
+    with pytest.raises(ValueError, match="outside"):
+        coteach_phase(4, 4)
+    with pytest.raises(ValueError, match="method"):
+        coteach_phase(0, 4, method="ncr")
+
+
+def test_bicro_clean_phase_zeroes_noisy_rows_only():
+    early = training_targets("bicro", Phase(noisy=False, quasi_clean=True), SUBSET, LABEL)
+    np.testing.assert_allclose(early.weight, [1.0, 0.7, 0.6, 0.0, 0.0])
+    late = training_targets("bicro", Phase(noisy=True, quasi_clean=True), SUBSET, LABEL)
+    np.testing.assert_array_equal(late.weight, LABEL)
+    assert not early.reliable.any() and not early.use_proxy.any()
+
+
+@pytest.mark.parametrize("method", ["rcr", "cosine", "weights"])
+def test_weight_methods_use_the_label_as_is(method):
+    out = training_targets(method, Phase(noisy=False, quasi_clean=False), SUBSET, LABEL)
+    np.testing.assert_array_equal(out.weight, LABEL)
+
+
+def test_sps_targets_follow_the_schedule():
+    proxy = np.array([np.nan, np.nan, np.nan, 0.8, 0.0], dtype=np.float32)
+    reliable_only = training_targets("sps", Phase(False, False), SUBSET, LABEL, proxy)
+    np.testing.assert_array_equal(reliable_only.weight, [1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(reliable_only.reliable, [True, True, False, False, False])
+    assert not reliable_only.use_proxy.any()
+    quasi = training_targets("sps", Phase(False, True), SUBSET, LABEL, proxy)
+    np.testing.assert_allclose(quasi.weight, [1, 1, 0.6, 0, 0])
+    everything = training_targets("sps", Phase(True, True), SUBSET, LABEL, proxy)
+    np.testing.assert_allclose(everything.weight, [1, 1, 0.6, 0.8, 0])
+    # Only a noisy row with a positive proxy label swaps its caption for the proxy caption.
+    np.testing.assert_array_equal(everything.use_proxy, [False, False, False, True, False])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(0, 40),
+    seed=st.integers(0, 2**31 - 1),
+    method=st.sampled_from(["bicro", "rcr", "sps", "cosine", "weights"]),
+    noisy=st.booleans(),
+    quasi=st.booleans(),
+)
+def test_targets_are_bounded_and_permutation_equivariant(n, seed, method, noisy, quasi):
+    rng = np.random.default_rng(seed)
+    subset = rng.integers(0, 3, n)
+    label = rng.uniform(-0.5, 1.5, n).astype(np.float32)
+    label[rng.random(n) < 0.1] = np.nan
+    proxy = rng.uniform(0, 1, n).astype(np.float32)
+    phase = Phase(noisy=noisy, quasi_clean=quasi)
+    out = training_targets(method, phase, subset, label, proxy)
+    assert out.weight.dtype == np.float32 and out.weight.shape == (n,)
+    assert np.all((out.weight >= 0) & (out.weight <= 1))
+    perm = rng.permutation(n)
+    permuted = training_targets(method, phase, subset[perm], label[perm], proxy[perm])
+    np.testing.assert_array_equal(permuted.weight, out.weight[perm])
+    np.testing.assert_array_equal(permuted.use_proxy, out.use_proxy[perm])
