@@ -214,7 +214,7 @@ class SpsTrainConfig(_Section):
         25.0, ge=0, description="Weight of L_cro (cross-modal consistency) on reliable pairs."
     )
     lambda_met: float = Field(
-        25.0, ge=0, description="Weight of L_met (intra-modal metric consistency) on reliable pairs."
+        25.0, ge=0, description="Weight of L_met (intra-modal metric agreement) on reliable pairs."
     )
 
 

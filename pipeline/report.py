@@ -230,7 +230,14 @@ def write_report(
     prob = table.column("clean_prob").to_numpy()
     keys = np.array(table.column("key").to_pylist(), dtype=object)
 
-    fig = _loss_figure(plt, table.column("loss").to_numpy().astype(np.float64), mixture)
+    loss = table.column("loss").to_numpy().astype(np.float64)
+    sources = json.loads(meta.get("ncl.sources", "[]") or "[]")
+    if sources:
+        # Published labels average two views; a mixture was fitted on one view's losses only.
+        source = read_labels(sources[0])
+        mixture = json.loads(label_table_metadata(source).get("ncl.mixture", "{}") or "{}")
+        loss = source.to_table(columns=["loss"]).column("loss").to_numpy().astype(np.float64)
+    fig = _loss_figure(plt, loss, mixture)
     _save(fig, fs, f"{out}/loss_mixture.png")
     plt.close(fig)
 

@@ -12,6 +12,7 @@ import os
 import platform
 from collections.abc import Callable
 from importlib import metadata
+from typing import Any
 
 from pipeline.config import JobConfig
 from pipeline.io.layout import RunLayout
@@ -152,42 +153,74 @@ def run_job(job: JobConfig, log: Callable[[str], None] = print) -> dict:
     record("embed", 0, "embed", embed)
     _print_summary(embed, layout, log)
 
-    # 2. Warm up models A and B; then embed again with them (both views) for the labels.
-    label_round = 0
-    if job.train.warmup_epochs > 0:
-        from pipeline.stages.train import run_training
+    # 2. Warm up models A and B (round 0 training).
+    from pipeline.stages.labels import LabelSpec, run_label_pass
+    from pipeline.stages.publish import publish_labels
+    from pipeline.stages.train import run_training
 
+    checkpoints: dict[str, str] = {}
+    if job.train.warmup_epochs > 0:
         warmup = run_training(warmup_spec(job, layout, shard_paths), log=log)
         record("warmup", 0, "train", warmup)
         rounds["0"]["retrieval"] = warmup.get("retrieval")
         _print_warmup(warmup, log)
-        label_round = 1
-        warmed = {
-            view.lower(): ModelSpec(
-                job.model.name, info["checkpoint"], job.model.precision, job.seed
+        checkpoints = {view: info["checkpoint"] for view, info in warmup["views"].items()}
+
+    # 3. Co-teaching. Round r embeds with the models of round r-1 (both views in one pass),
+    #    labels each view, then trains B on A's labels and A on B's. The extra last round only
+    #    embeds and labels: its labels come from the final models and are published.
+    last = job.train.rounds + 1
+    for round_index in range(1, last + 1):
+        record(
+            "embed",
+            round_index,
+            "embed",
+            _embed(job, layout, shard_paths, round_index, round_models(job, checkpoints), log),
+        )
+        for view, trainee in (("a", "b"), ("b", "a")):
+            spec = LabelSpec.from_job(
+                job,
+                round_index=round_index,
+                view=view,
+                shard_paths=shard_paths,
+                trainee_view=trainee,
             )
-            for view, info in warmup["views"].items()
-        }
-        record("embed", 1, "embed", _embed(job, layout, shard_paths, 1, warmed, log))
+            summary = run_label_pass(spec, log=log)
+            record(f"labels_{view}", round_index, f"labels_{view}", summary)
+        if round_index == last:
+            break
+        trained = run_training(
+            coteach_spec(job, layout, shard_paths, round_index, checkpoints), log=log
+        )
+        record("train", round_index, "train", trained)
+        rounds[str(round_index)]["retrieval"] = trained.get("retrieval")
+        checkpoints = {view: info["checkpoint"] for view, info in trained["views"].items()}
+        _print_round(trained, log)
 
-    # 3. Mixtures, partitions and soft labels from view a -> the published labels/ table.
-    from pipeline.stages.labels import LabelSpec, run_label_pass
-
-    label_spec = LabelSpec.from_job(
-        job, round_index=label_round, view="a", shard_paths=shard_paths, out_dir=layout.labels_dir
+    # 4. The final labels/: the last round's two views combined (mean).
+    published = publish_labels(
+        {view: layout.labels_round_dir(last, view) for view in ("a", "b")},
+        [
+            shard_name(p)
+            for p in shard_paths
+            if shard_name(p) in _shard_sizes(layout, last, shard_paths)
+        ],
+        layout.labels_dir,
+        round_index=last,
+        job_hash=job.stage_hash(),
+        ground_truth=job.eval.ground_truth,
+        log=log,
     )
-    record("labels_a", label_round, "labels_a", run_label_pass(label_spec, log=log))
+    metrics["labels"] = published
+    metrics["coteaching"] = coteaching_table(job, rounds, published)
+    write_json_atomic(metrics, layout.metrics)
+    _print_coteaching(metrics["coteaching"], job, log)
     log(f"labels: {layout.labels_dir}/ (read with pipeline.read_labels('{layout.output}'))")
 
-    # 4. The HTML report (loss histogram with fits, label histograms, lowest-labelled gallery).
+    # 5. The HTML report (loss histogram with fits, label histograms, lowest-labelled gallery).
     from pipeline.report import write_report
 
     log(f"report: {write_report(layout.output)}")
-    if job.train.rounds > 0:
-        log(
-            f"note: train.rounds={job.train.rounds}: co-teaching rounds are not implemented yet; "
-            "the labels above come from the warmed-up model A"
-        )
     return metrics
 
 
@@ -235,15 +268,51 @@ def _shard_sizes(layout: RunLayout, round_index: int, shard_paths: list[str]) ->
     return sizes
 
 
-def warmup_spec(job: JobConfig, layout: RunLayout, shard_paths: list[str]):
-    """Round 0 training: warm up views A and B (seeds differ) from the job's model."""
+def round_models(job: JobConfig, checkpoints: dict[str, str]) -> dict[str, ModelSpec]:
+    """Embed views a and b: the latest checkpoints of A and B, else the job's model (seeds
+    job.seed and job.seed + 1, so random-init views differ)."""
+    return {
+        view: ModelSpec(
+            job.model.name,
+            checkpoints.get(view.upper(), job.model.pretrained),
+            job.model.precision,
+            seed=job.seed + offset,
+        )
+        for offset, view in enumerate(("a", "b"))
+    }
+
+
+def _train_settings(job: JobConfig, layout: RunLayout, shard_paths: list[str]) -> dict:
+    """TrainSpec fields shared by the warm-up and the co-teaching rounds."""
     from pipeline.runtime import cluster_resources
-    from pipeline.stages.train import TrainSpec, ViewSpec
 
     _, gpus = cluster_resources()
     test_shards = (
         expand_shard_patterns(job.eval.test_shards) if job.eval.test_shards is not None else []
     )
+    train = job.train
+    return {
+        "output": layout.output,
+        "shards": tuple(shard_paths),
+        "test_shards": tuple(test_shards),
+        "batch_size": train.batch_size,
+        "lr": train.lr,
+        "weight_decay": train.weight_decay,
+        "lr_warmup_steps": train.lr_warmup_steps,
+        "grad_clip": train.grad_clip,
+        "precision": job.model.precision,
+        "workers": train.workers,
+        "torch_threads": train.torch_threads,
+        "use_gpu": gpus > 0,
+        "checkpoint_every_steps": train.checkpoint_every_steps,
+        "decode": decode_options(job),
+    }
+
+
+def warmup_spec(job: JobConfig, layout: RunLayout, shard_paths: list[str]):
+    """Round 0 training: warm up views A and B (seeds differ) from the job's model."""
+    from pipeline.stages.train import TrainSpec, ViewSpec
+
     views = tuple(
         ViewSpec(
             name=name,
@@ -256,32 +325,145 @@ def warmup_spec(job: JobConfig, layout: RunLayout, shard_paths: list[str]):
     )
     warm = job.train.warmup
     return TrainSpec(
-        output=layout.output,
+        **_train_settings(job, layout, shard_paths),
         round_index=0,
         views=views,
-        shards=tuple(shard_paths),
         shard_sizes=_shard_sizes(layout, 0, shard_paths),
-        test_shards=tuple(test_shards),
         mode="warmup",
         max_epochs=job.train.warmup_epochs,
-        batch_size=job.train.batch_size,
-        lr=job.train.lr,
-        weight_decay=job.train.weight_decay,
-        lr_warmup_steps=job.train.lr_warmup_steps,
-        grad_clip=job.train.grad_clip,
-        precision=job.model.precision,
         loss=warm.loss,
         warmup_select=warm.mode == "select",
         select_ratio=warm.select_ratio,
         first_epoch_all=warm.first_epoch_all,
         plateau_fraction=warm.plateau_fraction,
         patience=warm.patience,
-        workers=job.train.workers,
-        torch_threads=job.train.torch_threads,
-        use_gpu=gpus > 0,
-        checkpoint_every_steps=job.train.checkpoint_every_steps,
-        decode=decode_options(job),
     )
+
+
+def coteach_spec(
+    job: JobConfig,
+    layout: RunLayout,
+    shard_paths: list[str],
+    round_index: int,
+    checkpoints: dict[str, str],
+):
+    """Round r >= 1 training: A on the labels B estimated (labels_b), B on labels_a.
+
+    train.mode vanilla trains both on every pair (weight 1), oracle on the ground-truth clean
+    pairs only: the same trainer, data path and schedule, for an honest comparison.
+    """
+    from pipeline.stages.publish import write_oracle_labels
+    from pipeline.stages.train import TrainSpec, ViewSpec
+
+    train = job.train
+    sizes = _shard_sizes(layout, round_index, shard_paths)
+    oracle_dir = f"{layout.round_dir(round_index)}/labels_oracle"
+    if train.mode == "oracle":
+        embeddings = {shard: layout.embeddings(round_index, shard) for shard in sizes}
+        sizes = write_oracle_labels(job.eval.ground_truth, embeddings, oracle_dir)
+    method = job.labels.method
+    views = []
+    for offset, (name, peer) in enumerate((("A", "b"), ("B", "a"))):
+        labels_dir, proxies_dir, targets = None, None, "weights"
+        if train.mode == "coteach":
+            labels_dir, targets = layout.labels_round_dir(round_index, peer), method
+            if method == "sps":
+                proxies_dir = layout.sps_proxies_dir(round_index, peer)
+        elif train.mode == "oracle":
+            labels_dir = oracle_dir
+        views.append(
+            ViewSpec(
+                name=name,
+                init=ModelSpec(
+                    job.model.name,
+                    checkpoints.get(name, job.model.pretrained),
+                    job.model.precision,
+                    seed=job.seed + offset,
+                ),
+                # A new data order every round (the epoch counter restarts in each run).
+                seed=job.seed + offset + 1000 * round_index,
+                labels_dir=labels_dir,
+                method=targets,
+                proxies_dir=proxies_dir,
+            )
+        )
+    epochs = train.epochs_per_round
+    return TrainSpec(
+        **_train_settings(job, layout, shard_paths),
+        round_index=round_index,
+        views=tuple(views),
+        shard_sizes=sizes,
+        mode="labels",
+        max_epochs=epochs,
+        label_loss=train.label_loss,
+        coteach_epochs=((round_index - 1) * epochs, train.rounds * epochs),
+        bicro_noisy_start=train.bicro.noisy_start,
+        sps_quasi_start=train.sps.quasi_start,
+        sps_noisy_start=train.sps.noisy_start,
+        sps_lambda_cro=train.sps.lambda_cro if method == "sps" else 0.0,
+        sps_lambda_met=train.sps.lambda_met if method == "sps" else 0.0,
+    )
+
+
+def coteaching_table(job: JobConfig, rounds: dict, published: dict) -> list[dict]:
+    """One row per model generation g (0 = warmed up, g = after co-teaching round g): its
+    held-out retrieval and the quality of the labels it estimated (round g + 1's passes)."""
+    method = job.labels.method
+    rows = []
+    for generation in range(job.train.rounds + 1):
+        trained = rounds.get(str(generation), {})
+        labelled = rounds.get(str(generation + 1), {})
+        row: dict[str, Any] = {"models": generation, "labels_round": generation + 1}
+        for view in ("a", "b"):
+            quality = ((labelled.get(f"labels_{view}") or {}).get("quality") or {}).get(method)
+            row[f"auroc_{view}"] = quality and quality.get("auroc")
+            row[f"spearman_{view}"] = quality and quality.get("spearman")
+        retrieval = trained.get("retrieval") or {}
+        for name in ("A", "B", "A+B"):
+            row[f"rsum_{name}"] = (retrieval.get(name) or {}).get("rsum")
+        rows.append(row)
+    combined = (published.get("quality") or {}).get("combined")
+    if rows and combined:
+        rows[-1]["auroc_combined"] = combined.get("auroc")
+        rows[-1]["spearman_combined"] = combined.get("spearman")
+    return rows
+
+
+def _print_round(summary: dict, log: Callable[[str], None]) -> None:
+    retrieval = summary.get("retrieval") or {}
+    shown = ", ".join(f"{name} {r['rsum']:.1f}" for name, r in retrieval.items())
+    losses = ", ".join(
+        f"{view} {info['history'][-1]['loss']:.3f}"
+        for view, info in summary["views"].items()
+        if info["history"]
+    )
+    log(
+        f"co-teaching round {summary['round']}: last-epoch InfoNCE {losses}"
+        + (f"; held-out rSum {shown}" if shown else "")
+    )
+
+
+def _print_coteaching(rows: list[dict], job: JobConfig, log: Callable[[str], None]) -> None:
+    def cell(value) -> str:
+        return "    -" if value is None else f"{value:5.3f}"
+
+    def rsum(value) -> str:
+        return "     -" if value is None else f"{value:6.1f}"
+
+    log("")
+    log(
+        f"co-teaching ({job.train.mode}, labels {job.labels.method}): label AUROC per view and "
+        "held-out rSum per model generation"
+    )
+    log("  models               AUROC a  AUROC b    rSum A  rSum B  rSum A+B")
+    for row in rows:
+        name = "warmed up" if row["models"] == 0 else f"after round {row['models']}"
+        log(
+            f"  {name:<20} {cell(row['auroc_a'])}    {cell(row['auroc_b'])}   "
+            f"{rsum(row['rsum_A'])}  {rsum(row['rsum_B'])}  {rsum(row['rsum_A+B'])}"
+        )
+    if rows and rows[-1].get("auroc_combined") is not None:
+        log(f"  published labels (mean of a and b): AUROC {rows[-1]['auroc_combined']:.3f}")
 
 
 def _print_warmup(summary: dict, log: Callable[[str], None]) -> None:

@@ -1,8 +1,9 @@
 """Synthetic embeddings tables for label-pass tests: clustered blobs with shuffled captions.
 
 `write_blob_run` writes `<out>/rounds/0/embeddings/<shard>.parquet` in the embed pass's schema
-(view "a") with losses computed by `pipeline.core.losses` on seeded fixed-size batches, as the
-embed pass does, plus a `ground_truth.parquet` (key, kind, degree) beside the run.
+(view "a"; without `image_sha256`, like tables written before that column existed) with losses
+computed by `pipeline.core.losses` on seeded fixed-size batches, as the embed pass does, plus a
+`ground_truth.parquet` (key, kind, degree) beside the run.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def write_blob_run(
             "ncl.model_id.a": "blobs",
             "ncl.logit_scale.a": repr(LOGIT_SCALE),
         }
-        schema = embedding_schema(["a"], dim, metadata)
+        schema = embedding_schema(["a"], dim, metadata, image_sha256=False)
 
         def fixed(matrix: np.ndarray) -> pa.Array:
             flat = pa.array(matrix.astype(np.float16).reshape(-1), type=pa.float16())

@@ -36,6 +36,10 @@ def test_demo_job_runs_from_the_cli(tmp_path):
         f"eval.test_shards={corpus.test_shards[0]}",
         "--set",
         "train.warmup_epochs=2",  # the full demo trains longer; CI checks the wiring
+        "--set",
+        "train.rounds=1",
+        "--set",
+        "train.epochs_per_round=1",
     ]
     result = subprocess.run(
         [sys.executable, "-m", "pipeline", "run", "jobs/demo.yaml", *overrides],
@@ -57,5 +61,11 @@ def test_demo_job_runs_from_the_cli(tmp_path):
     assert "retrieval on the test split" in result.stdout
     assert (out / "report" / "index.html").exists()
     assert len(list((out / "labels").glob("*.parquet"))) == 8
-    quality = metrics["rounds"]["1"]["labels_a"]["quality"]
-    assert quality and "cosine" in json.dumps(quality) and "bicro" in json.dumps(quality)
+    for view in ("a", "b"):  # round 1 labels (warmed models) train round 1; round 2 publishes
+        quality = metrics["rounds"]["1"][f"labels_{view}"]["quality"]
+        assert quality and "cosine" in json.dumps(quality) and "bicro" in json.dumps(quality)
+    assert set(metrics["rounds"]["1"]["retrieval"]) == {"A", "B", "A+B"}
+    assert metrics["labels"]["round"] == 2 and metrics["labels"]["samples"] == 4000 - corpus.corrupt
+    assert metrics["labels"]["quality"]["combined"]["auroc"] is not None
+    assert [row["models"] for row in metrics["coteaching"]] == [0, 1]
+    assert "co-teaching (coteach, labels bicro)" in result.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import os
 from pathlib import Path
@@ -15,7 +16,7 @@ from shard_fixtures import write_corrupt_shard
 
 from pipeline.config import load_job
 from pipeline.data.synthetic import make_corpus
-from pipeline.io.shards import iter_shard_records, shard_name
+from pipeline.io.shards import IMAGE_EXTENSIONS, RawRecord, iter_shard_records, shard_name
 from pipeline.runner import RunConflictError, run_job
 
 pytestmark = pytest.mark.ray
@@ -26,7 +27,7 @@ input: {{shards: {shards}}}
 output: {output}
 model: {{name: ncl-tiny, pretrained: null}}
 embed: {{batch_size: 16, gpus_per_worker: 0, cpus_per_worker: 1, decode_threads: 2, concurrency: 2}}
-train: {{warmup_epochs: 0}}
+train: {{warmup_epochs: 0, rounds: 0}}
 seed: 3
 """
 
@@ -125,6 +126,15 @@ def test_embed_pass_writes_tables_that_reconcile(local_ray, corpus, tmp_path):
         values = embeddings.column(column).to_numpy()
         assert np.isfinite(values).all(), column
     assert (embeddings.column("loss_batch").to_numpy() >= 0).all()
+    # image_sha256: the hex sha256 of the image member's bytes as stored in the tar.
+    digests = {}
+    for path in corpus["shards"][:-1]:
+        for item in iter_shard_records(path):
+            images = [e for e in IMAGE_EXTENSIONS if e in getattr(item, "members", {})]
+            if isinstance(item, RawRecord) and images:  # the member decode_record picks
+                digest = hashlib.sha256(item.members[images[0]]).hexdigest()
+                digests[(shard_name(path), item.key)] = digest
+    assert embeddings.column("image_sha256").to_pylist() == [digests[k] for k in emb_keys]
     # With b = 16 negatives, an untrained model's InfoNCE sits near log(16).
     assert abs(np.median(embeddings.column("loss_i2t_a").to_numpy()) - np.log(16)) < 0.5
     assert embed["records_read"] == embed["embedded"] + embed["quarantined"] - 1  # + unreadable

@@ -18,7 +18,7 @@ from label_fixtures import write_blob_run
 
 from pipeline.core.partition import rcr_candidates, select_anchors, split_clean, split_sps
 from pipeline.core.soft_labels import bicro_global_anchors, rcr_global
-from pipeline.io.labels import LABELS_SCHEMA, labels_json_schema
+from pipeline.io.labels import LABELS_SCHEMA, SPS_PROXIES_SCHEMA, labels_json_schema
 from pipeline.labels import read_labels
 from pipeline.stages.labels import (
     BicroParams,
@@ -297,6 +297,10 @@ def test_sps_proxies_and_anchor_keys(blob_run, blob_labels):
     assert proxies.column("key").to_pylist() == noisy_keys.tolist()
     reliable = set(table.column("key").to_numpy(False)[subset == "clean"])
     assert set(proxies.column("image_proxy_key").to_pylist()) <= reliable
+    # The proxy caption travels with the proxy key (the fixture's captions name their keys).
+    named = proxies.column("image_proxy_key").to_pylist()
+    assert proxies.column("image_proxy_caption").to_pylist() == [f"caption of {k}" for k in named]
+    assert proxies.schema.names == SPS_PROXIES_SCHEMA.names
     y = proxies.column("y_p_img").to_numpy()
     assert np.all((y == 0) | (y >= 0.5)) and np.all(y <= 1)
 
@@ -379,3 +383,274 @@ def test_committed_labels_schema_is_current():
     assert committed == labels_json_schema()
     assert [c["name"] for c in committed["columns"]] == LABELS_SCHEMA.names
     assert committed["file_metadata"]["ncl.schema"] == "labels.v1"
+
+
+# ---------------------------------------------------------------------------------------------
+# Persisted indexes, RCR image de-duplication and SPS two-view labelling
+# ---------------------------------------------------------------------------------------------
+
+
+def _merged_top1(indexes, queries: np.ndarray) -> np.ndarray:
+    """Top-1 global id over several persisted index shards (highest score, then lowest id)."""
+    best_score = np.full(queries.shape[0], -np.inf)
+    best_id = np.full(queries.shape[0], -1, dtype=np.int64)
+    for index in indexes:
+        scores, ids = index.search(queries, 1)
+        better = (scores[:, 0] > best_score) | (
+            (scores[:, 0] == best_score) & (ids[:, 0] < best_id)
+        )
+        best_score = np.where(better, scores[:, 0], best_score)
+        best_id = np.where(better, ids[:, 0], best_id)
+    return best_id
+
+
+@pytest.mark.ray
+def test_index_shards_are_persisted(local_ray, tmp_path):
+    """The BiCro anchor index (two actors) lands under rounds/0/index_a/: the files answer
+    global sample ids and name the same nearest anchors as the label table."""
+    import faiss
+
+    info = write_blob_run(tmp_path / "run", n=300, shards=3, seed=3)
+    info["output"] = str(tmp_path / "run")
+    spec = _spec(info, str(tmp_path / "labels"), method="bicro", index_shards=2)
+    summary = run_label_pass(spec, log=lambda _: None)
+    folder = tmp_path / "run" / "rounds" / "0" / "index_a"
+    assert summary["index"]["dir"] == str(folder)
+    description = json.loads((folder / "_index.json").read_text())
+    assert description["role"] == "anchors" and description["shards"] == 2
+    assert description["factory"] == "Flat" and description["dim"] == 32
+    assert description["embedding_shards"] == info["shards"]
+    assert description["files"]["image"] == ["anchors_image_000.faiss", "anchors_image_001.faiss"]
+    assert sum(description["rows_per_shard"]) == summary["anchors"] > 0
+
+    table = _table(spec.out_dir)  # keys sort like global ids in this fixture
+    keys = table.column("key").to_numpy(False)
+    assert keys.tolist() == info["keys"].tolist()
+    for modality, vectors, column in (
+        ("image", _unit16(info["u"]), "image_anchor_key"),
+        ("text", _unit16(info["v"]), "text_anchor_key"),
+    ):
+        indexes = [faiss.read_index(str(folder / name)) for name in description["files"][modality]]
+        assert [index.ntotal for index in indexes] == description["rows_per_shard"]
+        for shard, index in enumerate(indexes):
+            ids = faiss.vector_to_array(faiss.downcast_index(index).id_map)
+            assert np.all(ids % 2 == shard)
+        named = table.column(column).to_numpy(False)
+        queries = np.flatnonzero(named != None)  # noqa: E711 - anchors name no anchor
+        assert queries.size == 300 - summary["anchors"]
+        nearest = _merged_top1(indexes, vectors[queries])
+        np.testing.assert_array_equal(keys[nearest], named[queries])
+
+
+def _duplicate_image_corpus(root: Path) -> list[str]:
+    """Two tar shards from the synthetic corpus where image files repeat, as in F30K/COCO:
+    runs of 1, 2, 3 and 5 consecutive samples share the bytes of the run's first image, and
+    shard 1's first sample reuses shard 0's first image (a duplicate across shards)."""
+    from shard_fixtures import write_tar
+
+    from pipeline.data.synthetic import make_corpus
+    from pipeline.io.shards import iter_shard_records
+
+    corpus = make_corpus(
+        root / "source", samples=120, samples_per_shard=60, test_samples=0, seed=7, noise=0.3
+    )
+    runs = [1, 2, 3, 5]
+    paths, first_image = [], None
+    for s, source in enumerate(corpus.shards):
+        members, run, left, image = [], 0, 0, b""
+        for i, record in enumerate(iter_shard_records(str(source))):
+            if left == 0:
+                image, left, run = record.members["jpg"], runs[run % len(runs)], run + 1
+            if s == 0 and i == 0:
+                first_image = image
+            jpg = first_image if (s == 1 and i == 0) else image
+            left -= 1
+            members += [(f"{record.key}.jpg", jpg)]
+            members += [(f"{record.key}.{ext}", record.members[ext]) for ext in ("txt", "json")]
+        path = root / "dup" / f"{s:05d}.tar"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_tar(str(path), members)
+        paths.append(str(path))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def two_view_run(local_ray, tmp_path_factory) -> dict:
+    """The duplicate-image corpus embedded in one pass by two random ncl-tiny views (a, b)."""
+    import pyarrow as pa
+
+    from pipeline.io.shards import shard_name
+    from pipeline.models import ModelSpec
+    from pipeline.stages.embed import EmbedSpec, run_embed_pass
+
+    root = tmp_path_factory.mktemp("two_views")
+    paths = _duplicate_image_corpus(root)
+    spec = EmbedSpec(
+        output=str(root / "run"),
+        round_index=0,
+        views={"a": ModelSpec("ncl-tiny", None, seed=1), "b": ModelSpec("ncl-tiny", None, seed=2)},
+        batch_size=16,
+        seed=0,
+        decode_threads=2,
+    )
+    summary = run_embed_pass(
+        spec, paths, concurrency=1, cpus_per_worker=1, gpus_per_worker=0, log=lambda _: None
+    )
+    assert summary["embedded"] == 120 and not summary["shards_failed"]
+    shards = [shard_name(p) for p in paths]
+    tables = [
+        pq.read_table(Path(spec.output, "rounds", "0", "embeddings", f"{s}.parquet"))
+        for s in shards
+    ]
+    return {
+        "output": spec.output,
+        "shards": shards,
+        "paths": paths,
+        "embeddings": pa.concat_tables(tables),  # in global-id order
+    }
+
+
+def _view_matrix(table, column: str) -> np.ndarray:
+    rows = np.stack(table.column(column).to_numpy(zero_copy_only=False)).astype(np.float32)
+    return (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(np.float32)
+
+
+def _labels_in_id_order(out_dir: str, shards: list[str]):
+    import pyarrow as pa
+
+    return pa.concat_tables([pq.read_table(f"{out_dir}/{s}.parquet") for s in shards])
+
+
+@pytest.mark.ray
+def test_embeddings_carry_the_image_hash(two_view_run):
+    import hashlib
+
+    from pipeline.io.shards import iter_shard_records
+
+    expected = {}
+    for path in two_view_run["paths"]:
+        for record in iter_shard_records(path):
+            expected[record.key] = hashlib.sha256(record.members["jpg"]).hexdigest()
+    embeddings = two_view_run["embeddings"]
+    hashes = embeddings.column("image_sha256").to_pylist()
+    assert hashes == [expected[k] for k in embeddings.column("key").to_pylist()]
+    assert 30 < len(set(hashes)) < 120  # the corpus does repeat images
+    assert hashes[0] == hashes[60]  # across shards
+    # Byte-identical images, identical embeddings: the copies really are one image.
+    u = _view_matrix(embeddings, "image_embedding_a")
+    first = {h: i for i, h in reversed(list(enumerate(hashes)))}
+    np.testing.assert_array_equal(u, u[[first[h] for h in hashes]])
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("include_self", [True, False])
+def test_rcr_ranks_unique_images(two_view_run, tmp_path, include_self):
+    """Distributed RCR (two index actors) == the core with image groups from the hashes, and
+    differs from ranking pair rows (the copies would fill the image lists)."""
+    run = two_view_run
+    spec = LabelSpec(
+        output=run["output"],
+        round_index=0,
+        view="a",
+        shards=tuple(run["shards"]),
+        out_dir=str(tmp_path / "rcr"),
+        method="rcr",
+        rcr=RcrParams(k=5, include_self=include_self),
+        index_shards=2,
+        query_batch=16,
+        job_hash="dedup",
+    )
+    run_label_pass(spec, log=lambda _: None)
+    weights = _labels_in_id_order(spec.out_dir, run["shards"]).column("rcr").to_numpy()
+    embeddings = run["embeddings"]
+    u = _view_matrix(embeddings, "image_embedding_a")
+    v = _view_matrix(embeddings, "text_embedding_a")
+    _, groups = np.unique(embeddings.column("image_sha256").to_pylist(), return_inverse=True)
+    deduplicated = rcr_global(u, v, k=5, include_self=include_self, image_group_ids=groups)["w"]
+    np.testing.assert_allclose(weights, deduplicated, atol=1e-6)
+    rows = rcr_global(u, v, k=5, include_self=include_self)["w"]
+    assert np.abs(weights - rows).max() > 1e-3
+
+
+@pytest.mark.ray
+def test_sps_trainee_view(two_view_run, tmp_path):
+    """Partition from view a (the peer), P^ and proxies from view b (the model trained)."""
+    import faiss
+
+    from pipeline.core.soft_labels import sps_quasi_clean_label
+
+    run = two_view_run
+    common = dict(
+        output=run["output"],
+        round_index=0,
+        view="a",
+        shards=tuple(run["shards"]),
+        method="sps",
+        sps=SpsParams(eps1=0.7),  # random models: posteriors stay below the default 0.99
+        query_batch=16,
+        job_hash="trainee",
+    )
+    alone = LabelSpec(**common, out_dir=str(tmp_path / "a"), proxies_dir=str(tmp_path / "pa"))
+    run_label_pass(alone, log=lambda _: None)
+    spec = LabelSpec(
+        **common,
+        out_dir=str(tmp_path / "ab"),
+        proxies_dir=str(tmp_path / "pab"),
+        trainee_view="b",
+    )
+    summary = run_label_pass(spec, log=lambda _: None)
+    assert summary["trainee_view"] == "b"
+    one = _labels_in_id_order(alone.out_dir, run["shards"])
+    two = _labels_in_id_order(spec.out_dir, run["shards"])
+    for column in ("key", "subset", "clean_prob", "loss", "cosine"):
+        assert two.column(column).equals(one.column(column)), column
+    meta = pq.read_schema(f"{spec.out_dir}/{run['shards'][0]}.parquet").metadata
+    assert meta[b"ncl.trainee_view"] == b"b" and meta[b"ncl.view"] == b"a"
+    alone_meta = pq.read_schema(f"{alone.out_dir}/{run['shards'][0]}.parquet").metadata
+    assert alone_meta[b"ncl.trainee_view"] == b"a"
+
+    embeddings = run["embeddings"]
+    subset = np.array(two.column("subset").to_pylist())
+    prob = two.column("clean_prob").to_numpy()
+    soft = two.column("soft_label").to_numpy()
+    quasi, noisy, reliable = subset == "quasi_clean", subset == "noisy", subset == "clean"
+    assert quasi.any() and noisy.any() and reliable.any(), summary["subsets"]
+    i2t_b = embeddings.column("loss_i2t_b").to_numpy()
+    t2i_b = embeddings.column("loss_t2i_b").to_numpy()
+    np.testing.assert_array_equal(soft[quasi], sps_quasi_clean_label(prob, i2t_b, t2i_b)[quasi])
+    i2t_a = embeddings.column("loss_i2t_a").to_numpy()
+    t2i_a = embeddings.column("loss_t2i_a").to_numpy()
+    assert not np.array_equal(soft[quasi], sps_quasi_clean_label(prob, i2t_a, t2i_a)[quasi])
+    assert np.all(soft[reliable] == 1.0) and np.all(soft[noisy] == 0.0)
+
+    # Noisy rows name the reliable pair nearest in view b's image space.
+    keys = two.column("key").to_numpy(False)
+    u_b = _view_matrix(embeddings, "image_embedding_b")
+    named = two.column("image_anchor_key").to_numpy(False)
+    position = {key: i for i, key in enumerate(keys)}
+    chosen = np.array([position[k] for k in named[noisy]])
+    scores = u_b[noisy] @ u_b[reliable].T
+    np.testing.assert_allclose(
+        np.sum(u_b[noisy] * u_b[chosen], axis=1), scores.max(axis=1), atol=1e-5
+    )
+
+    # The proxies carry the proxy caption: the caption of the pair named by image.
+    proxies = pq.read_table(str(tmp_path / "pab")).sort_by("key")
+    captions = dict(
+        zip(
+            embeddings.column("key").to_pylist(),
+            embeddings.column("caption").to_pylist(),
+            strict=True,
+        )
+    )
+    proxy_keys = proxies.column("image_proxy_key").to_pylist()
+    assert proxies.column("image_proxy_caption").to_pylist() == [captions[k] for k in proxy_keys]
+
+    # The persisted reliable-set index is view b's, over exactly the reliable pairs.
+    folder = Path(run["output"], "rounds", "0", "index_a")
+    description = json.loads((folder / "_index.json").read_text())
+    assert description["role"] == "reliable" and description["embeddings_view"] == "b"
+    index = faiss.read_index(str(folder / description["files"]["image"][0]))
+    assert index.ntotal == int(reliable.sum()) == summary["partition"]["sps_split"]["n_reliable"]
+    top = _merged_top1([index], u_b[noisy])
+    np.testing.assert_array_equal(keys[top], named[noisy])

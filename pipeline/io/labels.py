@@ -7,7 +7,8 @@ Contract:
 - File-level metadata always holds `ncl.schema=labels.v1`, the pipeline version, the job hash,
   the model id and the mixture parameters (JSON); `REQUIRED_METADATA` lists those keys.
   `ncl.shard_path` (the source tar, for report thumbnails) and the method/round/view are
-  recorded too.
+  recorded too, and `ncl.trainee_view`: the view whose embeddings and losses made the labels
+  (SPS's trainee; the view itself for every other method).
 - `SPS_PROXIES_SCHEMA` is the intermediate table of SPS proxy pairs under `rounds/` (free to
   change, not a contract).
 """
@@ -92,13 +93,15 @@ SPS_PROXIES_SCHEMA = pa.schema(
     [
         pa.field("key", pa.string(), nullable=False),  # the noisy pair
         pa.field("image_proxy_key", pa.string(), nullable=True),  # İ: nearest reliable image
+        # Ṫ: İ's caption, the text the trainer pairs with I_n (no lookup by key needed)
+        pa.field("image_proxy_caption", pa.string(), nullable=True),
         pa.field("y_p_img", pa.float32(), nullable=False),  # label of (I_n, proxy caption)
         pa.field("s_img", pa.float32(), nullable=False),  # S(I_n, İ)
         pa.field("text_proxy_key", pa.string(), nullable=True),  # T̈: nearest reliable text
         pa.field("y_p_txt", pa.float32(), nullable=False),  # label of (proxy image, T_n)
         pa.field("s_txt", pa.float32(), nullable=False),  # S(T_n, T̈)
     ],
-    metadata={"ncl.schema": "sps_proxies.v0"},
+    metadata={"ncl.schema": "sps_proxies.v1"},
 )
 
 

@@ -69,6 +69,11 @@ class RunLayout:
         """SPS proxy pairs of the noisy set (extra training pairs), one table per shard."""
         return self._join("rounds", round_index, f"sps_proxies_{view}")
 
+    def index_dir(self, round_index: int, view: str) -> str:
+        """FAISS index shards of `view`'s label pass (`<role>_<modality>_<shard>.faiss`) and
+        `_index.json` describing them (DESIGN §2, barrier 3)."""
+        return self._join("rounds", round_index, f"index_{view}")
+
     def checkpoint_dir(self, round_index: int, view: str) -> str:
         return self._join("rounds", round_index, "checkpoints", view)
 

@@ -71,6 +71,7 @@ orientation is not applied, matching how open_clip's training loaders read image
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -490,6 +491,9 @@ class DecodedSample:
     caption: str  # UTF-8 decoded, surrounding whitespace stripped
     url: str | None  # from the sample's json "url" when present
     meta: dict[str, Any]  # the parsed json object, {} when the sample has no json
+    # hex sha256 of the image member's raw bytes (as stored in the tar): identical files, the
+    # same image (RCR ranks unique images, METHODS §5.3 step 4); "" when not computed.
+    image_sha256: str = ""
 
 
 @dataclass
@@ -866,4 +870,12 @@ def decode_record(
         )
     except Exception as exc:  # UnidentifiedImageError, truncated data, codec errors
         return reject(image_ext, "undecodable_image", f"{type(exc).__name__}: {exc}")
-    return DecodedSample(key=key, shard=shard, image=rgb, caption=caption, url=url, meta=meta)
+    return DecodedSample(
+        key=key,
+        shard=shard,
+        image=rgb,
+        caption=caption,
+        url=url,
+        meta=meta,
+        image_sha256=hashlib.sha256(image_bytes).hexdigest(),
+    )

@@ -40,18 +40,28 @@ QUARANTINE_SCHEMA = pa.schema(
 
 
 def embedding_schema(
-    views: Sequence[str], dim: int, metadata: Mapping[str, str] | None = None
+    views: Sequence[str],
+    dim: int,
+    metadata: Mapping[str, str] | None = None,
+    *,
+    image_sha256: bool = True,
 ) -> pa.Schema:
     """Schema of `rounds/<r>/embeddings/<shard>.parquet`.
 
     Embeddings are fp16 fixed-size lists (DESIGN §5: ~13 GB for CC3M, two views); scalars are
-    float32. Column names are `<column>_<view>`, e.g. `loss_i2t_a`.
+    float32. Column names are `<column>_<view>`, e.g. `loss_i2t_a`. `image_sha256` (hex sha256
+    of the image member's bytes in the tar) lets RCR rank unique images; `image_sha256=False`
+    gives the schema of tables written before it existed (readers must accept both).
     """
     fields = [
         pa.field("key", pa.string(), nullable=False),
         pa.field("shard", pa.string(), nullable=False),
         pa.field("url", pa.string(), nullable=True),
         pa.field("caption", pa.string(), nullable=False),
+    ]
+    if image_sha256:
+        fields.append(pa.field("image_sha256", pa.string(), nullable=True))
+    fields += [
         pa.field("loss_batch", pa.int32(), nullable=False),  # which fixed-size batch scored it
     ]
     for view in views:

@@ -10,6 +10,9 @@ Contract:
 - Losses follow METHODS §1.2: embeddings are computed per sample, then losses on seeded,
   fixed-size batches of `batch_size` within the shard (remainder batch filled with other
   samples of the shard whose losses are discarded).
+- Each row carries `image_sha256`, the hex sha256 of its image member's bytes as stored in the
+  tar (hashed while decoding, so no second read): byte-identical images share it, which is how
+  RCR de-duplicates images (METHODS §5.3 step 4).
 
 Why a shard per call: the output is per shard (atomic, resumable, one quarantine file per
 shard) and a shard's samples stay together, so no shuffle or group-by is needed. Decoding runs
@@ -84,6 +87,7 @@ class _ShardBuffers:
     keys: list[str] = field(default_factory=list)
     urls: list[str | None] = field(default_factory=list)
     captions: list[str] = field(default_factory=list)
+    image_sha256: list[str] = field(default_factory=list)  # hex, of the raw image bytes
     image_embeddings: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     text_embeddings: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     rejections: list[Rejection] = field(default_factory=list)
@@ -131,6 +135,7 @@ def _embed_decoded(futures, buffers: _ShardBuffers, models: dict[str, LoadedClip
         buffers.keys.append(sample.key)
         buffers.urls.append(sample.url)
         buffers.captions.append(sample.caption)
+        buffers.image_sha256.append(sample.image_sha256)
         captions.append(sample.caption)
         images.append(image)
     if not images:
@@ -257,6 +262,7 @@ def _write_embeddings(
         "shard": [shard] * n,
         "url": buffers.urls,
         "caption": buffers.captions,
+        "image_sha256": buffers.image_sha256,
     }
     metadata = {
         "ncl.schema": "embeddings.v1",

@@ -23,6 +23,9 @@ Contract:
      global id % index_shards == actor: BiCro's anchors, SPS's reliable set, or every pair for
      RCR. Rows travel from the shard tasks to the actors through the object store. IVF/PQ is
      trained once on actor 0's rows and cloned into the others, so the shards share codebooks.
+     Each actor then writes its two indexes to `rounds/<r>/index_<view>/<role>_<modality>_
+     <shard:03d>.faiss` (a CPU IndexIDMap2 answering global sample ids), and the driver writes
+     `_index.json` beside them last (`write_index=False` skips this).
   5. labels: a task per shard computes clean_prob, subset, the configured method's label and
      the cosine; it queries the actors in batches (`query_batch`), merges their answers with
      `merge_topk`, fetches neighbour embeddings from their owners and re-scores them exactly.
@@ -39,19 +42,30 @@ Method notes (METHODS §2.5, §4.9, §5.3):
   `bicro` column the raw label; the anchor-key columns name a* and b*. `anchors: in_batch` runs
   the released per-batch anchors inside each shard (no index), for the ablation.
 - RCR: `rcr` is w for every pair, `soft_label` w masked by C; clean_prob stays the configured
-  mixture on the configured loss, while C uses the per-direction GMMs. Image de-duplication by
-  content hash is not available (the embeddings carry no sha256): every row is its own image.
+  mixture on the configured loss, while C uses the per-direction GMMs. Images are ranked as
+  unique images (§5.3 step 4): the index actors hold an int64 group per row from the
+  embeddings' `image_sha256` (byte-identical files share it), rcr_ndcg keeps the first row of
+  each group, and image searches deepen until they hold K + 1 distinct images (at most
+  32 (K + 1) rows). Texts are ranked per row. Tables without `image_sha256` (written before it
+  existed) make every row its own image, as before.
 - SPS: reliable 1, quasi-clean p + (1 - p) P^, noisy 0 (the original caption is discarded); the
-  proxy pairs and their labels y_p go to the proxies table, and the anchor-key columns of noisy
-  rows name the nearest reliable pair by image and by text. P^ batches are drawn within a shard.
+  proxy pairs and their labels y_p go to the proxies table (with the proxy caption, so training
+  needs no lookup), and the anchor-key columns of noisy rows name the nearest reliable pair by
+  image and by text. P^ batches are drawn within a shard. With `trainee_view` (the model that
+  trains on the labels, §4.1), the partition and p still come from `view` (the peer's
+  mixture) while P^, the reliable-set indexes, the noisy queries and the logit scale come from
+  the trainee's losses and embeddings; the `loss` and `cosine` columns stay `view`'s. BiCro,
+  RCR and cosine ignore `trainee_view` (the peer computes their labels, as in BiCro/NCR).
 - Rows whose loss is NaN/inf get soft_label 0, clean_prob 0 and subset noisy, and are counted
   (`n_invalid`).
 - Index actors do not restart (their index would come back empty): a lost actor fails the pass
   and a rerun recomputes it. Shard tasks are retried (their writes are atomic and idempotent).
-  The indexes live only in the actors (DESIGN's `rounds/<r>/index/` is not written): they are
-  rebuilt from the embeddings in seconds, and the label tables are the resumable artifact.
+  The persisted index files are for other consumers (inspection, training-time lookups); a
+  rerun rebuilds the indexes from the embeddings rather than reading them back, and the label
+  tables stay the resumable artifact.
 - Actors hold float32 vectors twice (the FAISS Flat copy and the re-scoring copy); RCR indexes
-  every pair, so size `index_shards` so that 2 x 2 x N x D x 4 bytes / shards fits an actor.
+  every pair, so size `index_shards` so that 2 x 2 x N x D x 4 bytes / shards fits an actor,
+  plus one more index while it is serialized to disk (and as much disk under `index_<view>/`).
 """
 
 from __future__ import annotations
@@ -113,6 +127,7 @@ SUMMARY_NAME = "_label_pass.json"  # leading '_': dataset readers (pyarrow, Spar
 KIND_CODES = ("clean", "partial", "mismatched")  # ground-truth kinds, sent as int8 codes
 _DIGITS = 6  # radix-select digits of 16 bits: 2 for the float32 key, 4 for the int64 id
 _MAX_KEYS_PER_QUERY_BATCH = 1 << 16
+_MAX_IMAGE_DEPTH_FACTOR = 32  # RCR de-dup: image lists grow to at most (K + 1) x this rows
 
 
 @dataclass(frozen=True)
@@ -169,6 +184,10 @@ class LabelSpec:
     query_batch: int = 1024  # queries per actor call
     select_fetch_limit: int = 65536  # radix select fetches the rows in play below this count
     proxies_dir: str | None = None  # SPS proxy tables; None -> rounds/<r>/sps_proxies_<view>
+    # SPS only: the view trained on these labels (its embeddings and losses give P^ and the
+    # proxies); `view` gives the partition (the peer's mixture, METHODS §4.1). None: `view`.
+    trainee_view: str | None = None
+    write_index: bool = True  # persist the FAISS shards under rounds/<r>/index_<view>/
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -202,6 +221,7 @@ class LabelSpec:
         shard_paths: list[str] | tuple[str, ...],
         out_dir: str | None = None,
         model_id: str | None = None,
+        trainee_view: str | None = None,
     ) -> LabelSpec:
         """The spec of a `JobConfig`'s label pass over `shard_paths` (tar paths).
 
@@ -212,6 +232,8 @@ class LabelSpec:
             shard_paths: the job's resolved input shards (their basenames name the tables).
             out_dir: label table folder; default `rounds/<r>/labels_<view>`.
             model_id: override of the model id recorded in the tables.
+            trainee_view: SPS only: the view that will train on the labels (P^ and proxies from
+                its embeddings and losses); None: `view`. Other methods ignore it.
         """
         from pipeline.io.shards import shard_name
 
@@ -239,6 +261,7 @@ class LabelSpec:
             job_hash=job.stage_hash(),
             model_id=model_id,
             seed=job.seed,
+            trainee_view=trainee_view,
         )
 
 
@@ -259,14 +282,26 @@ def _read_table(path: str, columns: list[str] | None = None) -> pa.Table:
     return pq.read_table(fs_path, columns=columns, filesystem=fs)
 
 
-def _file_metadata(path: str) -> dict[str, str]:
+def _file_schema(path: str) -> pa.Schema:
+    """The Parquet schema (footer only), with its key/value metadata."""
     import fsspec
     import pyarrow.parquet as pq
 
     fs, fs_path = fsspec.core.url_to_fs(path)
     with fs.open(fs_path, "rb") as handle:
-        raw = pq.read_schema(handle).metadata or {}
-    return {k.decode(): v.decode() for k, v in raw.items()}
+        return pq.read_schema(handle)
+
+
+def _trainee(spec: LabelSpec) -> str:
+    """The view whose embeddings and losses make the labels: SPS's `trainee_view` when set
+    (P^ and proxies from the model trained on them, METHODS §4.1), else `view`."""
+    if spec.method == "sps" and spec.trainee_view:
+        return spec.trainee_view
+    return spec.view
+
+
+def _embedding_columns(view: str) -> list[str]:
+    return [f"image_embedding_{view}", f"text_embedding_{view}"]
 
 
 def _matrix(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
@@ -344,16 +379,29 @@ def _fit_inputs(scalars: _Scalars) -> dict[str, np.ndarray]:
 
 
 def _range_task(spec: LabelSpec, shard: str) -> dict[str, Any]:
-    """Rows, loss ranges and embedding metadata of one shard."""
+    """Rows, loss ranges and embedding metadata of one shard.
+
+    Raises:
+        ValueError: the table lacks a column of the view (or of the SPS trainee view).
+    """
     path = _embeddings_path(spec, shard)
-    metadata = _file_metadata(path)
+    schema = _file_schema(path)
+    trainee = _trainee(spec)
+    needed = _scalar_columns(spec) + _embedding_columns(spec.view) + [f"cosine_{spec.view}"]
+    if trainee != spec.view:
+        needed += _embedding_columns(trainee) + [f"loss_i2t_{trainee}", f"loss_t2i_{trainee}"]
+    missing = [name for name in needed if name not in schema.names]
+    if missing:
+        raise ValueError(f"{path} lacks the columns {missing}: was that view embedded?")
+    metadata = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
     table = _read_table(path, _scalar_columns(spec))
     scalars = _scalars_from_table(spec, table, 0)
     return {
         "rows": table.num_rows,
         "ranges": {name: histogram_range(v) for name, v in _fit_inputs(scalars).items()},
         "model_id": metadata.get(f"ncl.model_id.{spec.view}"),
-        "logit_scale": metadata.get(f"ncl.logit_scale.{spec.view}"),
+        "logit_scale": metadata.get(f"ncl.logit_scale.{trainee}"),
+        "image_sha256": "image_sha256" in schema.names,
     }
 
 
@@ -566,6 +614,27 @@ def _radix_select(
 # ----------------------------------------------------------------------------------------------
 
 
+def _image_groups(hashes: list[str | None] | None, ids: np.ndarray) -> np.ndarray:
+    """(N,) int64 image group per row, for RCR's image de-duplication (METHODS §5.3 step 4).
+
+    Rows with a hash: its first 63 bits (>= 0), so byte-identical images share a group (a 2^-63
+    collision chance per pair of distinct images). Rows without one (tables written before the
+    column existed, or a null): -(global id) - 2, unique, never -1 (the core's "missing" mark)
+    and never equal to a hash group, so such rows are each their own image.
+    """
+    groups = -np.asarray(ids, dtype=np.int64) - 2
+    if hashes is None:
+        return groups
+    present = np.array([h is not None and len(h) >= 16 for h in hashes], dtype=bool)
+    if present.any():
+        prefix = b"".join(
+            bytes.fromhex(h[:16]) for h, ok in zip(hashes, present, strict=True) if ok
+        )
+        bits = np.frombuffer(prefix, dtype=">u8").astype(np.uint64) >> np.uint64(1)
+        groups[present] = bits.astype(np.int64)
+    return groups
+
+
 def _index_rows_task(
     spec: LabelSpec,
     shard: str,
@@ -575,14 +644,22 @@ def _index_rows_task(
     role: str,
     n_actors: int,
 ):
-    """Rows of one shard that go into the index, split by owner actor (id % n_actors)."""
-    columns = [f"image_embedding_{spec.view}", f"text_embedding_{spec.view}"]
-    columns += _scalar_columns(spec) + ([] if role == "all" else ["key"])
+    """Rows of one shard that go into the index, split by owner actor (id % n_actors).
+
+    The partition comes from `spec.view`; the vectors from `_trainee(spec)` (SPS's reliable set
+    is searched in the trainee's space). Each part carries what the label tasks look up later:
+    keys (BiCro, SPS), captions (SPS: the proxy caption), image groups (RCR).
+    """
+    trainee = _trainee(spec)
+    extra = {"anchors": ["key"], "reliable": ["key", "caption"], "all": []}[role]
+    if role == "all" and "image_sha256" in _file_schema(_embeddings_path(spec, shard)).names:
+        extra = ["image_sha256"]
+    columns = _embedding_columns(trainee) + _scalar_columns(spec) + extra
     table = _read_table(_embeddings_path(spec, shard), columns)
     scalars = _scalars_from_table(spec, table, offset)
     _add_posteriors(spec, scalars, fits)
-    u = _matrix(table.column(f"image_embedding_{spec.view}"))
-    v = _matrix(table.column(f"text_embedding_{spec.view}"))
+    u = _matrix(table.column(f"image_embedding_{trainee}"))
+    v = _matrix(table.column(f"text_embedding_{trainee}"))
     finite = np.isfinite(u).all(axis=1) & np.isfinite(v).all(axis=1)
     masks = _masks(spec, scalars, decisions)
     if role == "anchors":
@@ -592,19 +669,24 @@ def _index_rows_task(
     else:  # "all" (RCR: the database is every pair)
         chosen = finite
     rows = np.flatnonzero(chosen)
-    keys = np.asarray(table.column("key").to_pylist(), dtype=object) if role != "all" else None
+    fields: dict[str, np.ndarray] = {}
+    if "key" in extra:
+        fields["keys"] = np.asarray(table.column("key").to_pylist(), dtype=object)
+    if "caption" in extra:
+        fields["captions"] = np.asarray(table.column("caption").to_pylist(), dtype=object)
+    if role == "all":
+        hashes = table.column("image_sha256").to_pylist() if "image_sha256" in extra else None
+        fields["groups"] = _image_groups(hashes, scalars.ids)
     parts = []
     for actor in range(n_actors):
         mine = rows[scalars.ids[rows] % n_actors == actor]
-        parts.append(
-            {
-                "ids": scalars.ids[mine],
-                "u": u[mine],
-                "v": v[mine],
-                "keys": None if keys is None else keys[mine],
-            }
-        )
+        part = {"ids": scalars.ids[mine], "u": u[mine], "v": v[mine]}
+        part.update({name: values[mine] for name, values in fields.items()})
+        parts.append(part)
     return tuple(parts) if n_actors > 1 else parts[0]
+
+
+_ROW_FIELDS = ("keys", "captions", "groups")  # per-row extras an actor may hold besides u, v
 
 
 class IndexShardActor:
@@ -632,8 +714,9 @@ class IndexShardActor:
             )
             stack[name] = np.ascontiguousarray(stack[name], dtype=np.float32)
         self.u, self.v = stack["u"], stack["v"]
-        keys = [p["keys"] for p in parts if p["keys"] is not None]
-        self.keys = np.concatenate(keys)[order] if keys else None
+        for name in _ROW_FIELDS:
+            values = [p[name] for p in parts if name in p]
+            setattr(self, name, np.concatenate(values)[order] if values else None)
         self.parts = []
 
     def train(self, sample_size: int = 131_072):
@@ -661,6 +744,28 @@ class IndexShardActor:
             )
         return int(self.ids.size)
 
+    def save(self, folder: str, role: str, shard: int) -> dict[str, str]:
+        """Write both indexes to `<folder>/<role>_<modality>_<shard:03d>.faiss`, atomically.
+
+        Each file is a CPU `IndexIDMap2` whose ids are the global sample ids, so
+        `faiss.read_index(path).search` answers with them directly. Modalities are serialized
+        one at a time: the extra memory is one index, not two.
+
+        Returns:
+            modality -> file name (relative to `folder`).
+        """
+        from pipeline.io.tables import open_atomic
+
+        out = {}
+        for modality, shard_index in self.indexes.items():
+            name = f"{role}_{modality}_{shard:03d}.faiss"
+            blob = _serialize_with_ids(shard_index.index, self.ids)
+            with open_atomic(f"{folder}/{name}") as handle:
+                handle.write(memoryview(blob))
+            del blob
+            out[modality] = name
+        return out
+
     def search(self, modality: str, queries: np.ndarray, k: int):
         return self.indexes[modality].search(queries, k)
 
@@ -668,7 +773,35 @@ class IndexShardActor:
         position = np.searchsorted(self.ids, ids)
         if ids.size and (position.max() >= self.ids.size or np.any(self.ids[position] != ids)):
             raise KeyError("lookup of ids this index shard does not hold")
-        return {name: getattr(self, name)[position] for name in fields}
+        out = {}
+        for name in fields:
+            values = getattr(self, name)
+            if values is None:
+                raise KeyError(f"this index shard holds no {name!r} (not needed by its role)")
+            out[name] = values[position]
+        return out
+
+
+def _serialize_with_ids(index, ids: np.ndarray) -> np.ndarray:
+    """(bytes,) uint8 of a CPU `IndexIDMap2` over `index` (positions 0..n-1) mapping to `ids`.
+
+    `IndexShard` numbers rows by position and keeps the global ids beside the index; a
+    persisted index must carry them. FAISS refuses to wrap a non-empty index, so the wrapper is
+    made around an empty one and pointed at `index` (no vector is re-added or copied before
+    serialization); the wrapper only borrows `index`, which outlives it here.
+    """
+    import faiss
+
+    from pipeline.core.knn import _is_gpu_index
+
+    if _is_gpu_index(index):
+        index = faiss.index_gpu_to_cpu(index)
+    wrapper = faiss.IndexIDMap2(faiss.IndexFlat(index.d, index.metric_type))
+    wrapper.index = index
+    wrapper.ntotal = index.ntotal
+    wrapper.is_trained = index.is_trained
+    faiss.copy_array_to_vector(np.ascontiguousarray(ids, dtype=np.int64), wrapper.id_map)
+    return faiss.serialize_index(wrapper)
 
 
 class _Indexes:
@@ -690,6 +823,8 @@ class _Indexes:
         import ray
 
         ids = np.asarray(ids, dtype=np.int64)
+        if ids.size == 0:  # still ask one actor: the empty answer carries dtypes and shapes
+            return ray.get(self.actors[0].lookup.remote(ids, fields))
         owner = ids % len(self.actors)
         calls = []
         for actor_index, actor in enumerate(self.actors):
@@ -721,12 +856,13 @@ def _top1(indexes: _Indexes, modality: str, queries: np.ndarray, batch: int) -> 
 
 
 def _neighbour_rows(indexes: _Indexes, nn: np.ndarray, fields: tuple[str, ...], dim: int):
-    """Rows of the neighbours `nn` (-1: none -> zeros / None key)."""
+    """Rows of the neighbours `nn` (-1: none -> zero vectors, None keys and captions)."""
     found = nn >= 0
     out = {
-        "u": np.zeros((nn.size, dim), np.float32),
-        "v": np.zeros((nn.size, dim), np.float32),
-        "keys": np.full(nn.size, None, dtype=object),
+        name: np.zeros((nn.size, dim), np.float32)
+        if name in ("u", "v")
+        else np.full(nn.size, None, dtype=object)
+        for name in fields
     }
     if found.any():
         rows = indexes.lookup(nn[found], fields)
@@ -799,19 +935,75 @@ def _bicro_in_batch(spec, shard, u, v, scalars, masks) -> dict[str, np.ndarray]:
 
 
 class _BatchLookup:
-    """ids -> rows from one prefetched block (sorted unique ids), for `rcr_ndcg`'s rescoring."""
+    """ids -> rows from one prefetched block (sorted unique ids), for `rcr_ndcg`'s rescoring.
+
+    Ids outside the block (the core asks for id 0 in place of a missing -1 and then discards
+    the answer) get some row of the block, or zeros when the block is empty.
+    """
 
     def __init__(self, ids: np.ndarray, rows: np.ndarray) -> None:
         self.ids, self.rows = ids, rows
 
     def __call__(self, ids: np.ndarray) -> np.ndarray:
-        return self.rows[np.searchsorted(self.ids, ids)]
+        if self.ids.size == 0:
+            return np.zeros((np.size(ids), *self.rows.shape[1:]), dtype=self.rows.dtype)
+        return self.rows[np.minimum(np.searchsorted(self.ids, ids), self.ids.size - 1)]
 
 
-def _rcr(spec, u, v, scalars, masks, indexes: _Indexes) -> dict[str, np.ndarray]:
+def _distinct_per_row(groups: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """(Q,) number of distinct groups among the valid entries of each row of (Q, M)."""
+    order = np.lexsort((groups, ~valid), axis=1)  # valid entries first, grouped
+    g = np.take_along_axis(groups, order, axis=1)
+    ok = np.take_along_axis(valid, order, axis=1)
+    new = ok.copy()
+    new[:, 1:] &= g[:, 1:] != g[:, :-1]
+    return new.sum(axis=1)
+
+
+def _groups_of(indexes: _Indexes, ids: np.ndarray) -> np.ndarray:
+    """(Q, M) image groups of the ids (Q, M) from their owner actors (-1 ids -> -1)."""
+    valid = ids >= 0
+    unique = np.unique(ids[valid])
+    groups = _BatchLookup(unique, indexes.lookup(unique, ("groups",))["groups"])
+    return np.where(valid, groups(np.maximum(ids, 0)), -1)
+
+
+def _image_search_distinct(
+    indexes: _Indexes, queries: np.ndarray, want: int, max_depth: int
+) -> np.ndarray:
+    """Image-index ids (Q, M) deep enough to hold `want` distinct image groups per row.
+
+    Duplicated images occupy several rows of the index, so the top-`want` rows may hold fewer
+    than `want` distinct images (rcr_ndcg keeps the first row of each group). Rows that come
+    back full yet short of groups are searched again, twice as deep each time, up to
+    `max_depth`; a row with a missing (-1) entry has exhausted the index (or its IVF probes).
+    Past `max_depth` (one image repeated hundreds of times, e.g. a placeholder picture) the
+    row keeps fewer groups and its NDCG uses a smaller K_eff.
+    """
+    _, ids = indexes.search("image", queries, want)
+    pending = np.arange(queries.shape[0])
+    while pending.size:
+        sub = ids[pending]
+        valid = sub >= 0
+        short = valid.all(axis=1) & (_distinct_per_row(_groups_of(indexes, sub), valid) < want)
+        pending = pending[short]
+        if not pending.size or ids.shape[1] >= max_depth:
+            break
+        depth = min(2 * ids.shape[1], max_depth)
+        _, deeper = indexes.search("image", queries[pending], depth)
+        ids = np.pad(ids, ((0, 0), (0, depth - ids.shape[1])), constant_values=-1)
+        ids[pending] = deeper
+    return ids
+
+
+def _rcr(spec, u, v, scalars, masks, indexes: _Indexes, dedup: bool) -> dict[str, np.ndarray]:
+    """RCR weights of one shard. `dedup`: some embeddings table has `image_sha256`, so images
+    are ranked as unique images (the actors hold a group per row); else every row is its own
+    image and the image lists are plain top-(K+1) rows."""
     n = u.shape[0]
     depth = spec.rcr.k + 1
     weight = np.zeros(n, dtype=np.float32)
+    finite = np.isfinite(u).all(axis=1) & np.isfinite(v).all(axis=1)
     # Bound the prefetched neighbour rows: 4 lists of depth ids per query.
     batch = max(1, min(spec.query_batch, _MAX_KEYS_PER_QUERY_BATCH // (2 * depth)))
     for start in range(0, n, batch):
@@ -819,13 +1011,25 @@ def _rcr(spec, u, v, scalars, masks, indexes: _Indexes) -> dict[str, np.ndarray]
         ub, vb = u[start:stop], v[start:stop]
         _, i2t = indexes.search("text", ub, depth)
         _, t2t = indexes.search("text", vb, depth)
-        _, t2i = indexes.search("image", vb, depth)
-        _, i2i = indexes.search("image", ub, depth)
+        if dedup:
+            max_depth = depth * _MAX_IMAGE_DEPTH_FACTOR
+            t2i = _image_search_distinct(indexes, vb, depth, max_depth)
+            i2i = _image_search_distinct(indexes, ub, depth, max_depth)
+        else:
+            _, t2i = indexes.search("image", vb, depth)
+            _, i2i = indexes.search("image", ub, depth)
         text_ids = np.unique(np.concatenate([i2t.ravel(), t2t.ravel()]))
         image_ids = np.unique(np.concatenate([t2i.ravel(), i2i.ravel()]))
+        if dedup and not spec.rcr.include_self:
+            # The core excludes the query's own group, looked up by its id: fetch it too (rows
+            # with non-finite vectors are not indexed; their NDCG is NaN anyway).
+            own = scalars.ids[start:stop][finite[start:stop]]
+            image_ids = np.union1d(image_ids, own)
         text_ids, image_ids = text_ids[text_ids >= 0], image_ids[image_ids >= 0]
         text_db = _BatchLookup(text_ids, indexes.lookup(text_ids, ("v",))["v"])
-        image_db = _BatchLookup(image_ids, indexes.lookup(image_ids, ("u",))["u"])
+        image_rows = indexes.lookup(image_ids, ("u", "groups") if dedup else ("u",))
+        image_db = _BatchLookup(image_ids, image_rows["u"])
+        groups = _BatchLookup(image_ids, image_rows["groups"]) if dedup else None
         out = rcr_ndcg(
             ub,
             vb,
@@ -838,6 +1042,7 @@ def _rcr(spec, u, v, scalars, masks, indexes: _Indexes) -> dict[str, np.ndarray]
             k=spec.rcr.k,
             self_ids=scalars.ids[start:stop],
             include_self=spec.rcr.include_self,
+            image_group_ids=groups,
         )
         weight[start:stop] = np.nan_to_num(out["w"], nan=0.0)
     in_c = masks["in_c"]
@@ -848,15 +1053,20 @@ def _rcr(spec, u, v, scalars, masks, indexes: _Indexes) -> dict[str, np.ndarray]
     }
 
 
-def _sps(spec, shard, u, v, scalars, masks, indexes: _Indexes, logit_scale: float):
+def _sps(spec, shard, u, v, scalars, masks, indexes: _Indexes, logit_scale: float, losses):
+    """SPS labels of one shard (METHODS §4.9).
+
+    The partition (`masks`, `scalars.prob`) is the peer's (`spec.view`); u, v (N, D), `losses`
+    (loss_i2t, loss_t2i) (N,) each and `logit_scale` are the trainee's: P^ of the quasi-clean
+    label, the proxy search and the proxy P^ are the trained model's own (§4.1, §4.5).
+    """
     n, dim = u.shape
     codes = masks["sps"]
     label = np.zeros(n, dtype=np.float32)
     label[codes == CLEAN] = 1.0
     quasi = codes == QUASI_CLEAN
-    label[quasi] = sps_quasi_clean_label(
-        scalars.prob[quasi], scalars.loss_i2t[quasi], scalars.loss_t2i[quasi]
-    )
+    loss_i2t, loss_t2i = losses
+    label[quasi] = sps_quasi_clean_label(scalars.prob[quasi], loss_i2t[quasi], loss_t2i[quasi])
     noisy = np.flatnonzero(codes == NOISY)
     image_keys = np.full(n, None, dtype=object)
     text_keys = np.full(n, None, dtype=object)
@@ -864,7 +1074,7 @@ def _sps(spec, shard, u, v, scalars, masks, indexes: _Indexes, logit_scale: floa
     if noisy.size:
         image_nn = _top1(indexes, "image", u[noisy], spec.query_batch)
         text_nn = _top1(indexes, "text", v[noisy], spec.query_batch)
-        by_image = _neighbour_rows(indexes, image_nn, ("u", "v", "keys"), dim)
+        by_image = _neighbour_rows(indexes, image_nn, ("u", "v", "keys", "captions"), dim)
         by_text = _neighbour_rows(indexes, text_nn, ("u", "v", "keys"), dim)
         out = sps_proxy_labels(
             u[noisy],
@@ -886,6 +1096,7 @@ def _sps(spec, shard, u, v, scalars, masks, indexes: _Indexes, logit_scale: floa
         proxies = {
             "rows": noisy,
             "image_proxy_key": by_image["keys"],
+            "image_proxy_caption": by_image["captions"],
             "y_p_img": np.nan_to_num(out["y_p_img"], nan=0.0),
             "s_img": np.nan_to_num(out["s_img"], nan=0.0),
             "text_proxy_key": by_text["keys"],
@@ -950,19 +1161,22 @@ def _label_task(
 ) -> dict[str, Any]:
     """Label one shard and write its table (and its SPS proxies). Returns the shard summary."""
     started = time.perf_counter()
-    view = spec.view
+    view, trainee = spec.view, _trainee(spec)
+    trainee_losses = [f"loss_i2t_{trainee}", f"loss_t2i_{trainee}"] if trainee != view else []
     table = _read_table(
         _embeddings_path(spec, shard),
-        ["key", "shard", "url", "caption", f"image_embedding_{view}", f"text_embedding_{view}"]
-        + [f"cosine_{view}"]
-        + _scalar_columns(spec),
+        ["key", "shard", "url", "caption", f"cosine_{view}"]
+        + _embedding_columns(trainee)
+        + _scalar_columns(spec)
+        + trainee_losses,
     )
     n = table.num_rows
     scalars = _scalars_from_table(spec, table, offset)
     _add_posteriors(spec, scalars, fits)
     masks = _masks(spec, scalars, decisions)
-    u = _matrix(table.column(f"image_embedding_{view}"))
-    v = _matrix(table.column(f"text_embedding_{view}"))
+    # The labelling model's vectors (SPS: the trainee's; every other method: the view's).
+    u = _matrix(table.column(f"image_embedding_{trainee}"))
+    v = _matrix(table.column(f"text_embedding_{trainee}"))
     indexes = _Indexes(actors) if actors else None
 
     proxies = None
@@ -972,10 +1186,13 @@ def _label_task(
         else:
             result = _bicro_in_batch(spec, shard, u, v, scalars, masks)
     elif spec.method == "rcr":
-        result = _rcr(spec, u, v, scalars, masks, indexes)
+        result = _rcr(spec, u, v, scalars, masks, indexes, context["image_groups"])
     elif spec.method == "sps":
+        losses = (scalars.loss_i2t, scalars.loss_t2i)
+        if trainee != view:
+            losses = tuple(_float_column(table, name) for name in trainee_losses)
         result, proxies = _sps(
-            spec, shard, u, v, scalars, masks, indexes, float(context["logit_scale"])
+            spec, shard, u, v, scalars, masks, indexes, float(context["logit_scale"]), losses
         )
     else:
         result = {
@@ -999,6 +1216,7 @@ def _label_task(
             "ncl.method": spec.method,
             "ncl.round": str(spec.round_index),
             "ncl.view": view,
+            "ncl.trainee_view": trainee,
             "ncl.loss": spec.loss,
             "ncl.shard_path": context["shard_paths"].get(shard, ""),
         },
@@ -1096,6 +1314,7 @@ def _previous_summary(spec: LabelSpec, shards: list[str]) -> dict | None:
         and summary.get("round") == spec.round_index
         and summary.get("view") == spec.view
         and summary.get("method") == spec.method
+        and summary.get("trainee_view", spec.view) == _trainee(spec)
         and summary.get("shards_labelled") == shards
     )
     if same and all(file_exists(f"{spec.out_dir}/{s}.parquet") for s in shards):
@@ -1221,6 +1440,8 @@ def run_label_pass(spec: LabelSpec, log: Callable[[str], None] = print) -> dict[
     decisions, partition = _decide(spec, count, select)
     step("partition")
     log(f"labels: partition {json.dumps(partition, sort_keys=True)}")
+    if _trainee(spec) != spec.view:
+        log(f"labels: partition from view {spec.view}, P^ and proxies from {_trainee(spec)}")
 
     # 4-5. Index actors, then the label tasks that query them.
     role = _index_role(spec)
@@ -1240,11 +1461,15 @@ def run_label_pass(spec: LabelSpec, log: Callable[[str], None] = print) -> dict[
                 nprobe=spec.nprobe,
             )
             log(f"labels: index over {role}: {sum(sizes)} rows in {len(actors)} actor(s)")
+            if spec.write_index:
+                index_info["dir"] = _save_indexes(spec, actors, role, sizes, shards, offsets)
         step("index")
         context = {
             "version": pipeline.__version__,
             "model_id": model_id,
             "logit_scale": logit_scale if logit_scale is not None else repr(1 / 0.07),
+            # RCR ranks unique images when any table has image_sha256 (old tables: rows).
+            "image_groups": any(info["image_sha256"] for info in infos),
             "mixture": mixture,
             "shard_paths": dict(zip(spec.shards, spec.shard_paths, strict=False)),
         }
@@ -1275,6 +1500,7 @@ def run_label_pass(spec: LabelSpec, log: Callable[[str], None] = print) -> dict[
     summary: dict[str, Any] = {
         "round": spec.round_index,
         "view": spec.view,
+        "trainee_view": _trainee(spec),
         "method": spec.method,
         "loss": spec.loss,
         "mixture_kind": spec.mixture_kind,
@@ -1429,6 +1655,44 @@ def _build_index_actors(spec, shards, offsets, fits_ref, decisions, role, remote
     return actors
 
 
+def _save_indexes(spec, actors, role, sizes, shards, offsets) -> str:
+    """Persist the index shards (DESIGN §2 barrier 3) and describe them; returns the folder.
+
+    Each actor writes its own two files (no vector passes through the driver); `_index.json`,
+    written last, lists them and says how to read their ids. A later pass of the same round
+    and view replaces `_index.json`; files of another role stay beside it, unlisted.
+    """
+    import ray
+
+    folder = RunLayout(spec.output).index_dir(spec.round_index, spec.view)
+    files = ray.get([actor.save.remote(folder, role, i) for i, actor in enumerate(actors)])
+    description = {
+        "round": spec.round_index,
+        "view": spec.view,
+        "embeddings_view": _trainee(spec),  # whose vectors are indexed
+        "method": spec.method,
+        "role": role,  # anchors (BiCro) | reliable (SPS) | all (RCR)
+        "factory": spec.index_factory,
+        "nprobe": spec.nprobe,
+        "metric": "inner_product",
+        "dim": _embedding_dim(spec, shards[0]),
+        "shards": len(actors),
+        "rows_per_shard": [int(size) for size in sizes],
+        "files": {modality: [f[modality] for f in files] for modality in ("image", "text")},
+        "format": "faiss.read_index: an IndexIDMap2 (on CPU) whose ids are global sample ids",
+        "ids": (
+            "global sample id = offset of the sample's embeddings table + its row in it; tables "
+            "in `embedding_shards` order with `shard_offsets`; index shard s holds ids % shards "
+            "== s; L2-normalised vectors, so scores are cosines"
+        ),
+        "embedding_shards": list(shards),
+        "shard_offsets": [int(o) for o in offsets],
+        "job_hash": spec.job_hash,
+    }
+    write_json_atomic(description, f"{folder}/_index.json")
+    return folder
+
+
 def _train_and_build(actors: list) -> list[int]:
     import ray
 
@@ -1443,7 +1707,7 @@ def _embedding_dim(spec: LabelSpec, shard: str) -> int:
     fs, fs_path = fsspec.core.url_to_fs(_embeddings_path(spec, shard))
     with fs.open(fs_path, "rb") as handle:
         schema = pq.read_schema(handle)
-    column = schema.field(f"image_embedding_{spec.view}")
+    column = schema.field(f"image_embedding_{_trainee(spec)}")
     return int(column.type.list_size)
 
 

@@ -18,6 +18,13 @@ Contract:
   `train_summary.json` goes last and marks the round's training complete.
 - Warm-up (`mode="warmup"`): loss on all pairs, or (`select`) on the ⌊ε·b⌋ lowest-loss pairs of
   each batch once the model has left the chance plateau; length adapts (pipeline.core.schedule).
+- Co-teaching (`mode="labels"`): each view joins its own label table (the PEER's labels) and
+  turns rows into training targets with `pipeline.core.coteach.training_targets` for the
+  epoch's phase (`coteach_phase` over all rounds' epochs, `coteach_epochs`): a per-pair weight
+  for weighted InfoNCE (or BiCro's soft margin), SPS's reliable flag (L_cro + L_met on those
+  rows) and SPS's proxy caption in place of a noisy pair's caption. Mixed subsets share one
+  batch and one optimizer step (the references step once per subset loader); weight-0 pairs
+  stay in the batch as negatives. The LR follows one warm-up + cosine over all rounds.
 """
 
 from __future__ import annotations
@@ -33,9 +40,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pipeline.core.coteach import Phase, coteach_phase, training_targets
 from pipeline.core.losses import infonce_per_sample, triplet_per_sample
 from pipeline.core.schedule import WarmupState, cosine_lr, update_warmup
-from pipeline.core.train_losses import select_small_loss, weighted_infonce
+from pipeline.core.train_losses import (
+    select_small_loss,
+    soft_margin,
+    soft_margin_triplet,
+    sps_consistency_losses,
+    weighted_infonce,
+)
 from pipeline.io.checkpoints import load_torch, save_torch_atomic
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import (
@@ -62,6 +76,8 @@ class ViewSpec:
     seed: int  # data order (and random init) seed
     labels_dir: str | None = None  # label table to join by key; None = every pair weight 1
     label_column: str = "soft_label"
+    method: str = "weights"  # how label rows become targets (pipeline.core.coteach)
+    proxies_dir: str | None = None  # SPS proxy pairs (key -> proxy caption, y_p)
 
 
 @dataclass(frozen=True)
@@ -72,7 +88,7 @@ class TrainSpec:
     shards: tuple[str, ...]
     shard_sizes: dict[str, int]  # usable samples per shard (from the embed pass): steps/epoch
     test_shards: tuple[str, ...] = ()
-    mode: str = "warmup"  # "warmup" | "labels" (weighted InfoNCE on joined labels)
+    mode: str = "warmup"  # "warmup" | "labels" (co-teaching on joined label tables)
     max_epochs: int = 1
     batch_size: int = 256
     lr: float = 5e-7
@@ -91,6 +107,15 @@ class TrainSpec:
     checkpoint_every_steps: int = 0
     torch_threads: int | None = None  # CPU training: intra-op threads (Ray's default is 1)
     decode: DecodeOptions = field(default_factory=DecodeOptions)
+    label_loss: str = "weighted_infonce"  # | "soft_margin_triplet" (BiCro parity)
+    # (co-teaching epochs before this round, all co-teaching epochs): the subset schedule and
+    # one LR curve over every round; (0, 0) = this run alone.
+    coteach_epochs: tuple[int, int] = (0, 0)
+    bicro_noisy_start: float = 0.5
+    sps_quasi_start: float = 0.25
+    sps_noisy_start: float = 0.375
+    sps_lambda_cro: float = 25.0
+    sps_lambda_met: float = 25.0
     fail_after_steps: int | None = None  # fault injection for the resume test only
 
 
@@ -104,13 +129,69 @@ def epoch_shard_order(shards: tuple[str, ...], seed: int, epoch: int) -> list[st
     return [shards[i] for i in order]
 
 
-def _label_lookup(labels_dir: str | None, column: str, shard: str) -> dict[str, float] | None:
-    if labels_dir is None:
+@dataclass
+class _ShardLabels:
+    """One shard's label rows, by key (what the trainer joins at read time)."""
+
+    row: dict[str, int]  # key -> row
+    label: np.ndarray  # (N,) float32
+    subset: np.ndarray  # (N,) int8 codes (CLEAN when the table has no subset column)
+    proxy_caption: list[str | None] | None = None  # SPS: the caption paired with the image
+    proxy_label: np.ndarray | None = None  # (N,) float32 y_p (NaN: no proxy)
+
+
+def _read_shard_labels(view: ViewSpec, shard: str) -> _ShardLabels | None:
+    if view.labels_dir is None:
         return None
     import pyarrow.parquet as pq
 
-    table = pq.read_table(f"{labels_dir}/{shard}.parquet", columns=["key", column])
-    return dict(zip(table.column("key").to_pylist(), table.column(column).to_pylist(), strict=True))
+    from pipeline.io.labels import SUBSET_VALUES
+
+    path = f"{view.labels_dir}/{shard}.parquet"
+    names = pq.read_schema(path).names
+    columns = ["key", view.label_column] + (["subset"] if "subset" in names else [])
+    table = pq.read_table(path, columns=columns)
+    keys = table.column("key").to_pylist()
+    labels = _ShardLabels(
+        row={key: i for i, key in enumerate(keys)},
+        label=table.column(view.label_column).to_numpy(zero_copy_only=False).astype(np.float32),
+        subset=np.zeros(len(keys), dtype=np.int8),
+    )
+    if "subset" in names:
+        codes = {name: code for code, name in enumerate(SUBSET_VALUES)}
+        labels.subset = np.array(
+            [codes[s] for s in table.column("subset").to_pylist()], dtype=np.int8
+        )
+    if view.proxies_dir is not None:
+        proxies = pq.read_table(
+            f"{view.proxies_dir}/{shard}.parquet", columns=["key", "image_proxy_caption", "y_p_img"]
+        )
+        labels.proxy_caption = [None] * len(keys)
+        labels.proxy_label = np.full(len(keys), np.nan, dtype=np.float32)
+        for key, caption, y_p in zip(
+            proxies.column("key").to_pylist(),
+            proxies.column("image_proxy_caption").to_pylist(),
+            proxies.column("y_p_img").to_pylist(),
+            strict=True,
+        ):
+            row = labels.row.get(key)
+            if row is not None and caption is not None:
+                labels.proxy_caption[row] = caption
+                labels.proxy_label[row] = y_p
+    return labels
+
+
+def _targets(
+    view: ViewSpec, phase: Phase, labels: _ShardLabels, keys: list[str]
+) -> tuple[np.ndarray, np.ndarray, list[str | None]]:
+    """(weights, reliable flags, proxy captions or None) of the shard's samples, in order."""
+    rows = np.array([labels.row[k] for k in keys], dtype=np.int64)
+    proxy = labels.proxy_label[rows] if labels.proxy_label is not None else None
+    targets = training_targets(view.method, phase, labels.subset[rows], labels.label[rows], proxy)
+    captions: list[str | None] = [None] * len(keys)
+    for i in np.flatnonzero(targets.use_proxy):
+        captions[i] = labels.proxy_caption[rows[i]]
+    return targets.weight, targets.reliable, captions
 
 
 def read_training_batches(
@@ -118,22 +199,22 @@ def read_training_batches(
     *,
     model: ModelSpec,
     decode: DecodeOptions,
-    seed: int,
+    view: ViewSpec,
     epoch: int,
-    labels_dir: str | None,
-    label_column: str,
+    phase: Phase,
     rows_per_batch: int = 256,
 ) -> Iterator[dict[str, np.ndarray]]:
     """Ray Data UDF: shard paths in, decoded + preprocessed + labelled rows out (streamed).
 
     Quarantined samples were recorded by the embed pass and are skipped here; a decodable
-    sample whose key is missing from the label table is skipped (it has no label to train on).
+    sample whose key is missing from the label table is skipped (it has no label to train on:
+    the oracle's table lists the clean pairs only).
     """
     preprocess, tokenizer = load_transforms(model)
     for path in batch["path"]:
         path = str(path)
         shard = shard_name(path)
-        labels = _label_lookup(labels_dir, label_column, shard)
+        labels = _read_shard_labels(view, shard)
         samples = []
         for record in iter_shard_records(path):
             if isinstance(record, Rejection):
@@ -141,20 +222,44 @@ def read_training_batches(
             sample = decode_record(record, decode)
             if isinstance(sample, Rejection):
                 continue
-            weight = 1.0 if labels is None else labels.get(sample.key)
-            if weight is None or not math.isfinite(weight):
+            if labels is not None and sample.key not in labels.row:
                 continue
-            samples.append((sample, float(weight)))
-        order = np.random.default_rng([seed, epoch, zlib.crc32(shard.encode())]).permutation(
+            samples.append(sample)
+        if labels is None:
+            weights = np.ones(len(samples), dtype=np.float32)
+            reliable = np.zeros(len(samples), dtype=bool)
+            proxy_captions: list[str | None] = [None] * len(samples)
+        else:
+            weights, reliable, proxy_captions = _targets(
+                view, phase, labels, [s.key for s in samples]
+            )
+        order = np.random.default_rng([view.seed, epoch, zlib.crc32(shard.encode())]).permutation(
             len(samples)
         )
         for start in range(0, len(order), rows_per_batch):
-            chunk = [samples[i] for i in order[start : start + rows_per_batch]]
+            chunk = order[start : start + rows_per_batch]
+            captions = [proxy_captions[i] or samples[i].caption for i in chunk]
             yield {
-                "pixels": torch.stack([preprocess(s.image) for s, _ in chunk]).numpy(),
-                "tokens": tokenizer([s.caption for s, _ in chunk]).numpy(),
-                "weight": np.array([w for _, w in chunk], dtype=np.float32),
+                "pixels": torch.stack([preprocess(samples[i].image) for i in chunk]).numpy(),
+                "tokens": tokenizer(captions).numpy(),
+                "weight": weights[chunk],
+                "reliable": reliable[chunk].astype(np.float32),
             }
+
+
+def epoch_phase(spec: TrainSpec, view: ViewSpec, epoch: int) -> Phase:
+    """The co-teaching subsets of this run's `epoch` (every subset outside co-teaching)."""
+    before, total = spec.coteach_epochs
+    if spec.mode != "labels" or total == 0:
+        return Phase(noisy=True, quasi_clean=True)
+    return coteach_phase(
+        before + epoch,
+        total,
+        bicro_noisy_start=spec.bicro_noisy_start,
+        sps_quasi_start=spec.sps_quasi_start,
+        sps_noisy_start=spec.sps_noisy_start,
+        method=view.method,
+    )
 
 
 def _epoch_batches(spec: TrainSpec, view: ViewSpec, epoch: int, rank: int, world: int):
@@ -172,17 +277,21 @@ def _epoch_batches(spec: TrainSpec, view: ViewSpec, epoch: int, rank: int, world
         fn_kwargs={
             "model": view.init,
             "decode": spec.decode,
-            "seed": view.seed,
+            "view": view,
             "epoch": epoch,
-            "labels_dir": view.labels_dir,
-            "label_column": view.label_column,
+            "phase": epoch_phase(spec, view, epoch),
         },
     )
     return dataset.iter_torch_batches(
         batch_size=spec.batch_size,
         drop_last=True,
         prefetch_batches=2,
-        dtypes={"pixels": torch.float32, "tokens": torch.int64, "weight": torch.float32},
+        dtypes={
+            "pixels": torch.float32,
+            "tokens": torch.int64,
+            "weight": torch.float32,
+            "reliable": torch.float32,
+        },
     )
 
 
@@ -211,10 +320,27 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def _step_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, weight, selecting: bool):
+def _label_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, weight, reliable):
+    """Co-teaching objective on the peer's labels (METHODS §1.7, §4.4, §5.1 Eq. 12)."""
+    if spec.label_loss == "soft_margin_triplet":
+        # Averaged rather than summed as in the references, so one LR fits both losses.
+        margins = soft_margin(weight)
+        loss = soft_margin_triplet(image_emb, text_emb, margins, reduction="none").mean()
+    else:
+        loss = weighted_infonce(image_emb, text_emb, logit_scale, weight)
+    rows = reliable > 0.5
+    if int(rows.sum()) >= 2 and (spec.sps_lambda_cro > 0 or spec.sps_lambda_met > 0):
+        l_cro, l_met = sps_consistency_losses(image_emb[rows], text_emb[rows])
+        loss = loss + spec.sps_lambda_cro * l_cro + spec.sps_lambda_met * l_met
+    return loss
+
+
+def _step_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, batch, selecting: bool):
     """The training objective of one batch (returns the loss and the plain InfoNCE for logs)."""
     if spec.mode == "labels":
-        loss = weighted_infonce(image_emb, text_emb, logit_scale, weight)
+        loss = _label_loss(
+            spec, image_emb, text_emb, logit_scale, batch["weight"], batch["reliable"]
+        )
         loss_i2t, loss_t2i = infonce_per_sample(
             image_emb.detach(), text_emb.detach(), logit_scale.detach()
         )
@@ -234,7 +360,14 @@ def _step_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, weight, select
 class _ViewTrainer:
     """One view's model, optimizer and bookkeeping on a worker."""
 
-    def __init__(self, spec: TrainSpec, view: ViewSpec, device: torch.device, total_steps: int):
+    def __init__(
+        self,
+        spec: TrainSpec,
+        view: ViewSpec,
+        device: torch.device,
+        total_steps: int,
+        step_offset: int = 0,
+    ):
         import ray.train.torch
 
         self.spec, self.view = spec, view
@@ -248,7 +381,7 @@ class _ViewTrainer:
             betas=(0.9, 0.98),
             eps=1e-6,
         )
-        self.total_steps = total_steps
+        self.total_steps, self.step_offset = total_steps, step_offset
         self.step, self.epoch, self.step_in_epoch = 0, 0, 0
         self.warmup = WarmupState()
         self.history: list[dict] = []
@@ -305,15 +438,20 @@ class _ViewTrainer:
             and not (spec.first_epoch_all and self.epoch == 0)
         )
         for group in self.optimizer.param_groups:
-            group["lr"] = cosine_lr(self.step, self.total_steps, spec.lr_warmup_steps, spec.lr)
+            group["lr"] = cosine_lr(
+                self.step + self.step_offset, self.total_steps, spec.lr_warmup_steps, spec.lr
+            )
         pixels = batch["pixels"].to(device, non_blocking=True)  # (B, 3, H, W)
         tokens = batch["tokens"].to(device, non_blocking=True)  # (B, L)
-        weight = batch["weight"].to(device, non_blocking=True)  # (B,)
+        targets = {
+            "weight": batch["weight"].to(device, non_blocking=True),  # (B,)
+            "reliable": batch["reliable"].to(device, non_blocking=True),  # (B,)
+        }
         dtype = self.loaded.autocast_dtype
         with torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype is not None):
             image_emb, text_emb, logit_scale = self.model(pixels, tokens)
         loss, plain = _step_loss(
-            spec, image_emb.float(), text_emb.float(), logit_scale.float(), weight, selecting
+            spec, image_emb.float(), text_emb.float(), logit_scale.float(), targets, selecting
         )
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
@@ -349,7 +487,12 @@ def _train_loop(config: dict) -> None:
             f"round {spec.round_index}: fewer usable samples than one batch of "
             f"{spec.batch_size} per worker; lower train.batch_size or train.workers"
         )
-    trainers = [_ViewTrainer(spec, view, device, steps * spec.max_epochs) for view in spec.views]
+    before, total = spec.coteach_epochs
+    if total:  # one LR curve over all co-teaching rounds
+        schedule = {"total_steps": steps * total, "step_offset": steps * before}
+    else:
+        schedule = {"total_steps": steps * spec.max_epochs}
+    trainers = [_ViewTrainer(spec, view, device, **schedule) for view in spec.views]
     eval_set = None
     if rank == 0 and spec.test_shards:
         from pipeline.stages.evaluate import load_eval_set

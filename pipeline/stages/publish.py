@@ -1,0 +1,259 @@
+"""Publish stage: the final `labels/` from the last round's two views; oracle label tables.
+
+Contract:
+- `publish_labels(sources, out_dir, ...)` reads `rounds/<r>/labels_a/<shard>.parquet` and
+  `rounds/<r>/labels_b/<shard>.parquet` (same keys, same order: both come from one embeddings
+  table) and writes `out_dir/<shard>.parquet` in `labels.v1`, one Ray task per shard, so no
+  per-sample data reaches the driver (except the ground-truth quality arrays of the demo).
+  How the two views combine (documented in the README):
+  - soft_label, clean_prob, loss, cosine, bicro, rcr, sps: the mean of the two views (the test
+    time rule of co-teaching, which averages the two models' similarities; METHODS §1.8);
+  - subset: the more cautious of the two (clean only when both views say clean; noisy when
+    either says noisy);
+  - image_anchor_key / text_anchor_key: view a's; round: the round both views come from.
+  File metadata: view a's, with `ncl.view=a+b`, `ncl.combined=mean`, `ncl.sources` (the two
+  folders) and `ncl.model_id` listing both models. `out_dir/_label_pass.json` (written last)
+  holds both views' pass summaries and the quality of the combined label.
+- `write_oracle_labels(...)`: `key, soft_label=1` for the ground-truth clean pairs of every
+  embedded shard (train.mode=oracle: the clean-only upper bound of demo and benchmarks).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.io.labels import LABELS_SCHEMA, SUBSET_VALUES
+from pipeline.io.tables import read_json, write_json_atomic, write_table_atomic
+
+__all__ = ["ORACLE_SCHEMA", "publish_labels", "write_oracle_labels", "LabelViewMismatchError"]
+
+SUMMARY_NAME = "_label_pass.json"
+AVERAGED = ("soft_label", "clean_prob", "loss", "cosine", "bicro", "rcr", "sps")
+ORACLE_SCHEMA = pa.schema(
+    [
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("soft_label", pa.float32(), nullable=False),
+    ],
+    metadata={"ncl.schema": "oracle_labels.v0"},
+)
+
+
+class LabelViewMismatchError(ValueError):
+    """The two views' tables of a shard do not list the same keys in the same order."""
+
+
+def _read(path: str) -> pa.Table:
+    import fsspec
+    import pyarrow.parquet as pq
+
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    return pq.read_table(fs_path, filesystem=fs, schema=LABELS_SCHEMA)
+
+
+def _metadata(path: str) -> dict[str, str]:
+    import fsspec
+    import pyarrow.parquet as pq
+
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    with fs.open(fs_path, "rb") as handle:
+        raw = pq.read_schema(handle).metadata or {}
+    return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+def _mean_column(a: pa.ChunkedArray, b: pa.ChunkedArray) -> pa.Array:
+    """Element-wise mean; null where either view has no value."""
+    left = a.to_numpy(zero_copy_only=False).astype(np.float64)  # nulls -> NaN
+    right = b.to_numpy(zero_copy_only=False).astype(np.float64)
+    mean = 0.5 * (left + right)
+    return pa.array(mean.astype(np.float32), pa.float32(), from_pandas=True)
+
+
+def _subset_codes(column: pa.ChunkedArray) -> np.ndarray:
+    codes = {name: code for code, name in enumerate(SUBSET_VALUES)}
+    return np.array([codes[s] for s in column.to_pylist()], dtype=np.int8)
+
+
+def combine_shard(
+    shard: str, sources: dict[str, str], out_dir: str, ground_truth: str | None
+) -> dict[str, Any]:
+    """Combine one shard's view tables (see the module contract); returns its summary."""
+    started = time.perf_counter()
+    (view_a, folder_a), (view_b, folder_b) = sorted(sources.items())
+    path_a, path_b = f"{folder_a}/{shard}.parquet", f"{folder_b}/{shard}.parquet"
+    table_a, table_b = _read(path_a), _read(path_b)
+    keys = table_a.column("key")
+    if not keys.equals(table_b.column("key")):
+        raise LabelViewMismatchError(
+            f"shard {shard}: {path_a} and {path_b} do not list the same keys in the same order "
+            "(were they written from different embeddings? rerun the round's label pass)"
+        )
+    columns = {name: table_a.column(name) for name in LABELS_SCHEMA.names}
+    for name in AVERAGED:
+        columns[name] = _mean_column(table_a.column(name), table_b.column(name))
+    subset = np.maximum(
+        _subset_codes(table_a.column("subset")), _subset_codes(table_b.column("subset"))
+    )
+    columns["subset"] = pa.DictionaryArray.from_arrays(
+        pa.array(subset, pa.int8()), pa.array(SUBSET_VALUES, pa.string())
+    )
+    meta_a, meta_b = _metadata(path_a), _metadata(path_b)
+    metadata = {
+        **meta_a,
+        "ncl.view": f"{view_a}+{view_b}",
+        "ncl.combined": "mean",
+        "ncl.sources": json.dumps([folder_a, folder_b]),
+        "ncl.model_id": json.dumps(
+            {view_a: meta_a.get("ncl.model_id"), view_b: meta_b.get("ncl.model_id")}
+        ),
+    }
+    schema = LABELS_SCHEMA.with_metadata(metadata)
+    table = pa.table([columns[name] for name in schema.names], schema=schema)
+    write_table_atomic(table, f"{out_dir}/{shard}.parquet", schema)
+    summary: dict[str, Any] = {
+        "shard": shard,
+        "rows": table.num_rows,
+        "subsets": {name: int((subset == code).sum()) for code, name in enumerate(SUBSET_VALUES)},
+        "seconds": time.perf_counter() - started,
+    }
+    if ground_truth:
+        summary["quality"] = _quality_arrays(
+            ground_truth,
+            keys.to_pylist(),
+            {
+                "combined": columns["soft_label"].to_numpy(zero_copy_only=False),
+                f"view_{view_a}": table_a.column("soft_label").to_numpy(),
+                f"view_{view_b}": table_b.column("soft_label").to_numpy(),
+                "cosine": columns["cosine"].to_numpy(zero_copy_only=False),
+            },
+            {"combined": subset == 0},
+        )
+    return summary
+
+
+def _quality_arrays(ground_truth: str, keys: list[str], scores: dict, subsets: dict) -> dict:
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    truth = pq.read_table(ground_truth, columns=["key", "kind", "degree"])
+    truth = truth.filter(pc.is_in(truth.column("key"), value_set=pa.array(keys, pa.string())))
+    position = {key: i for i, key in enumerate(keys)}
+    rows = np.array([position[k] for k in truth.column("key").to_pylist()], dtype=np.int64)
+    return {
+        "kind": np.array(truth.column("kind").to_pylist(), dtype=object),
+        "degree": truth.column("degree").to_numpy().astype(np.float32),
+        "scores": {name: np.asarray(v, np.float32)[rows] for name, v in scores.items()},
+        "subsets": {name: np.asarray(v)[rows] for name, v in subsets.items()},
+    }
+
+
+def _quality(results: list[dict]) -> dict[str, Any] | None:
+    from pipeline.core.metrics import label_quality
+
+    parts = [r["quality"] for r in results if "quality" in r]
+    if not parts:
+        return None
+    kind = np.concatenate([p["kind"] for p in parts])
+    degree = np.concatenate([p["degree"] for p in parts])
+    out = {}
+    for name in parts[0]["scores"]:
+        scores = np.concatenate([p["scores"][name] for p in parts])
+        subset = None
+        if name in parts[0]["subsets"]:
+            subset = np.concatenate([p["subsets"][name] for p in parts])
+        out[name] = label_quality(scores, kind, degree, subset)
+    return out
+
+
+def publish_labels(
+    sources: dict[str, str],
+    shards: list[str] | tuple[str, ...],
+    out_dir: str,
+    *,
+    round_index: int,
+    job_hash: str,
+    ground_truth: str | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Write the final label tables from two views' tables of one round (skip if done).
+
+    Args:
+        sources: {view: folder of that view's label tables}, exactly two views.
+        shards: shard names to combine (every shard with embedded samples).
+        out_dir: the run's `labels/`.
+        round_index: the round the views come from (recorded in the summary).
+        job_hash: recorded; a rerun with the same hash, round and shards is skipped.
+        ground_truth: ground_truth.parquet -> quality of the combined labels.
+
+    Returns:
+        The summary written to `out_dir/_label_pass.json`.
+    """
+    import ray
+
+    if len(sources) != 2:
+        raise ValueError(f"publish_labels combines two views, got {sorted(sources)}")
+    previous = read_json(f"{out_dir}/{SUMMARY_NAME}")
+    if (
+        previous
+        and previous.get("job_hash") == job_hash
+        and previous.get("round") == round_index
+        and previous.get("shards_labelled") == list(shards)
+    ):
+        log(f"labels: {out_dir}/ already published from round {round_index}, skipped")
+        return {**previous, "skipped": True}
+    started = time.perf_counter()
+    task = ray.remote(combine_shard).options(num_cpus=1, max_retries=2)
+    results = ray.get([task.remote(s, sources, out_dir, ground_truth) for s in shards])
+    views = {view: read_json(f"{folder}/{SUMMARY_NAME}") or {} for view, folder in sources.items()}
+    summary = {
+        "round": round_index,
+        "view": "+".join(sorted(sources)),
+        "combined": "mean",
+        "sources": dict(sources),
+        "method": next(iter(views.values())).get("method"),
+        "job_hash": job_hash,
+        "ground_truth": ground_truth,
+        "shards_labelled": list(shards),
+        "samples": sum(r["rows"] for r in results),
+        "subsets": {name: sum(r["subsets"][name] for r in results) for name in SUBSET_VALUES},
+        "partition": {view: s.get("partition") for view, s in views.items()},
+        "quality": _quality(results),
+        "seconds": time.perf_counter() - started,
+    }
+    write_json_atomic(summary, f"{out_dir}/{SUMMARY_NAME}")
+    return {**summary, "skipped": False}
+
+
+def write_oracle_labels(
+    ground_truth: str, embeddings: dict[str, str], out_dir: str
+) -> dict[str, int]:
+    """Oracle label tables: the ground-truth clean pairs among each shard's embedded samples.
+
+    Args:
+        ground_truth: ground_truth.parquet (key, kind, ...).
+        embeddings: {shard name: its embeddings table} (the keys that can be trained on).
+        out_dir: where `<shard>.parquet` (key, soft_label = 1) go.
+
+    Returns:
+        {shard: clean pairs written}: the trainer's samples per shard.
+    """
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    truth = pq.read_table(ground_truth, columns=["key", "kind"])
+    clean = truth.filter(pc.equal(truth.column("kind"), "clean")).column("key")
+    sizes = {}
+    for shard, path in embeddings.items():
+        keys = pq.read_table(path, columns=["key"]).column("key")
+        kept = keys.filter(pc.is_in(keys, value_set=clean))
+        table = pa.table(
+            [kept, pa.array(np.ones(len(kept), np.float32), pa.float32())], schema=ORACLE_SCHEMA
+        )
+        write_table_atomic(table, f"{out_dir}/{shard}.parquet", ORACLE_SCHEMA)
+        sizes[shard] = len(kept)
+    return sizes

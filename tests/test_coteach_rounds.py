@@ -1,0 +1,148 @@
+"""Co-teaching rounds end to end on a real local Ray: warm-up, two rounds, published labels."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import load_job
+from pipeline.io.layout import RunLayout
+from pipeline.labels import read_labels
+from pipeline.runner import coteach_spec, resolve_inputs, run_job
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+JOB = """
+name: coteach-test
+input: {{shards: "{corpus}/{{00000..00002}}.tar"}}
+output: {output}
+model: {{name: ncl-tiny, pretrained: null}}
+embed: {{batch_size: 64, gpus_per_worker: 0, cpus_per_worker: 1, decode_threads: 2, concurrency: 1}}
+labels: {{method: {method}, sps: {{eps1: 0.9}}}}
+train:
+  mode: {mode}
+  rounds: 2
+  warmup_epochs: 1
+  epochs_per_round: 1
+  batch_size: 32
+  lr: 2.0e-3
+  lr_warmup_steps: 10
+  weight_decay: 0.1
+  torch_threads: 1
+  sps: {{quasi_start: 0.0, noisy_start: 0.5}}
+eval: {{ground_truth: {corpus}/ground_truth.parquet, test_shards: {corpus}/test/00000.tar}}
+seed: 3
+"""
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    from pipeline.data.synthetic import make_corpus
+
+    root = tmp_path_factory.mktemp("coteach") / "demo"
+    make_corpus(
+        root, samples=600, noise=0.4, partial=0.1, seed=7, samples_per_shard=200, test_samples=100
+    )
+    return root
+
+
+def _job(corpus: Path, out: Path, method: str = "sps", mode: str = "coteach"):
+    job_file = out.parent / f"{out.name}.yaml"
+    job_file.write_text(JOB.format(corpus=corpus, output=out, method=method, mode=mode))
+    return load_job(job_file)
+
+
+@pytest.fixture(scope="module")
+def sps_run(local_ray, corpus, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("sps_run") / "run"
+    job = _job(corpus, out)
+    lines: list[str] = []
+    metrics = run_job(job, log=lines.append)
+    return {"job": job, "out": out, "metrics": metrics, "log": "\n".join(lines)}
+
+
+def test_each_round_writes_both_views_tables_and_trains(sps_run):
+    out, metrics = sps_run["out"], sps_run["metrics"]
+    rounds = metrics["rounds"]
+    for r in ("1", "2", "3"):  # rounds 1-2 train; round 3 labels the final models
+        for view in ("a", "b"):
+            assert len(list((out / "rounds" / r / f"labels_{view}").glob("*.parquet"))) == 3
+            assert rounds[r][f"labels_{view}"]["quality"]["sps"]["auroc"] is not None
+    for r in ("1", "2"):
+        train = rounds[r]["train"]
+        assert set(train["views"]) == {"A", "B"} and train["mode"] == "labels"
+        assert set(rounds[r]["retrieval"]) == {"A", "B", "A+B"}
+        assert (out / "rounds" / r / "checkpoints" / "A" / "model.pt").exists()
+    assert "train" not in rounds["3"]
+    assert "co-teaching (coteach, labels sps)" in sps_run["log"]
+
+
+def test_views_differ_and_each_model_trains_on_the_other_views_labels(sps_run):
+    out = sps_run["out"]
+    a = pq.read_table(out / "rounds" / "1" / "labels_a" / "00000.parquet")
+    b = pq.read_table(out / "rounds" / "1" / "labels_b" / "00000.parquet")
+    assert a.column("key").equals(b.column("key"))
+    assert not np.array_equal(a.column("clean_prob").to_numpy(), b.column("clean_prob").to_numpy())
+    meta = {k.decode(): v.decode() for k, v in a.schema.metadata.items()}
+    assert meta["ncl.round"] == "1" and meta["ncl.view"] == "a"
+    assert json.loads(meta["ncl.mixture"])["fits"]  # lineage: the mixture parameters
+    assert meta.get("ncl.trainee_view") == "b"  # SPS: P^ from the model that trains on it
+    job = sps_run["job"]
+    spec = coteach_spec(job, RunLayout(job.output), resolve_inputs(job), 1, {})
+    by_name = {v.name: v for v in spec.views}
+    assert by_name["A"].labels_dir.endswith("rounds/1/labels_b")
+    assert by_name["B"].labels_dir.endswith("rounds/1/labels_a")
+    assert by_name["B"].proxies_dir.endswith("rounds/1/sps_proxies_a")
+    assert spec.coteach_epochs == (0, 2)
+
+
+def test_published_labels_are_the_mean_of_the_final_round_views(sps_run):
+    out = sps_run["out"]
+    final = read_labels(out).to_table().sort_by([("shard", "ascending"), ("key", "ascending")])
+    views = [
+        read_labels(out / "rounds" / "3" / f"labels_{v}")
+        .to_table()
+        .sort_by([("shard", "ascending"), ("key", "ascending")])
+        for v in ("a", "b")
+    ]
+    assert final.num_rows == views[0].num_rows == 600
+    expected = 0.5 * (
+        views[0].column("soft_label").to_numpy() + views[1].column("soft_label").to_numpy()
+    )
+    np.testing.assert_allclose(final.column("soft_label").to_numpy(), expected, rtol=1e-6)
+    subset = np.array(final.column("subset").to_pylist())
+    a_subset = np.array(views[0].column("subset").to_pylist())
+    b_subset = np.array(views[1].column("subset").to_pylist())
+    assert np.all((subset == "clean") == ((a_subset == "clean") & (b_subset == "clean")))
+    assert set(final.column("round").to_pylist()) == {3}
+    table = sps_run["metrics"]["coteaching"]
+    assert [row["models"] for row in table] == [0, 1, 2]
+    assert table[-1]["auroc_combined"] is not None
+    assert all(row["rsum_A+B"] is not None for row in table)
+    assert (out / "report" / "index.html").exists()
+
+
+def test_vanilla_and_oracle_use_the_same_trainer(local_ray, corpus, tmp_path):
+    vanilla = _job(corpus, tmp_path / "vanilla", method="bicro", mode="vanilla")
+    spec = coteach_spec(vanilla, RunLayout(vanilla.output), resolve_inputs(vanilla), 1, {})
+    assert all(v.labels_dir is None and v.method == "weights" for v in spec.views)
+
+    oracle = _job(corpus, tmp_path / "oracle", method="bicro", mode="oracle")
+    oracle = oracle.model_copy(
+        update={"train": oracle.train.model_copy(update={"rounds": 1, "warmup_epochs": 0})}
+    )
+    metrics = run_job(oracle, log=lambda _: None)
+    layout = RunLayout(oracle.output)
+    truth = pq.read_table(corpus / "ground_truth.parquet", columns=["key", "kind"])
+    clean = {k for k, kind in zip(*truth.to_pydict().values(), strict=True) if kind == "clean"}
+    written = set()
+    for path in Path(layout.round_dir(1), "labels_oracle").glob("*.parquet"):
+        written |= set(pq.read_table(path).column("key").to_pylist())
+    assert written == clean
+    trained = metrics["rounds"]["1"]["train"]["views"]["A"]
+    batches = len(clean) // 32  # clean pairs only, full batches of 32
+    assert trained["steps"] == batches
