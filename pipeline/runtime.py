@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["LOOPBACK_ENV", "apply_loopback_defaults", "init_ray", "cluster_resources"]
+__all__ = [
+    "LOOPBACK_ENV",
+    "apply_loopback_defaults",
+    "cluster_resources",
+    "init_ray",
+    "quiet_worker_logs",
+]
 
 # Set before `import ray`: Ray reads some of these at import time.
 LOOPBACK_ENV = {
@@ -25,6 +31,20 @@ LOOPBACK_ENV = {
 def apply_loopback_defaults() -> None:
     for key, value in LOOPBACK_ENV.items():
         os.environ.setdefault(key, value)
+
+
+# Ray Train's placement-group cleaner asks the State API, served by the dashboard, once a
+# second whether the controller is alive; the embedded Ray runs without a dashboard, so every
+# ask fails with a warning. The cleaner only matters when a controller dies ungracefully.
+_QUIET_WORKER_LOGGERS = ("ray.train.v2._internal.execution.controller.placement_group_cleaner",)
+
+
+def quiet_worker_logs() -> None:
+    """Worker-process setup hook of the embedded local Ray (see `_QUIET_WORKER_LOGGERS`)."""
+    import logging
+
+    for name in _QUIET_WORKER_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
@@ -54,6 +74,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         log_to_driver=True,
         configure_logging=True,
         logging_level="WARNING",
+        runtime_env={"worker_process_setup_hook": "pipeline.runtime.quiet_worker_logs"},
     )
     return "local Ray (127.0.0.1)"
 
