@@ -259,7 +259,7 @@ def run_coteaching(noise: float, args, workdir: Path) -> None:
     }
     results = {}
     first_output = None
-    for mode in ("coteach", "vanilla", "oracle"):
+    for mode in args.modes:
         run_folder = folder / mode
         run_folder.mkdir(parents=True, exist_ok=True)
         job = load_job(
@@ -270,6 +270,7 @@ def run_coteaching(noise: float, args, workdir: Path) -> None:
                 None,
                 train={**train, "mode": mode},
                 labels={"method": args.method},
+                mixture={"kind": args.mixture},
                 eval={"test_shards": str(corpus_info.test_shards[0])},
                 ray={"num_cpus": args.num_cpus},
             )
@@ -287,6 +288,7 @@ def run_coteaching(noise: float, args, workdir: Path) -> None:
                 noise=noise,
                 mode=mode,
                 method=args.method,
+                mixture=args.mixture,
                 models=row["models"],
                 auroc_a=row["auroc_a"],
                 auroc_b=row["auroc_b"],
@@ -312,10 +314,13 @@ def run_coteaching(noise: float, args, workdir: Path) -> None:
         return a / b if a is not None and b else None
 
     final = {mode: row["rsum_A+B"] for mode, row in results.items()}
+    if set(final) != {"coteach", "vanilla", "oracle"}:
+        return
     emit(
         "coteach_vs_baselines",
         noise=noise,
         method=args.method,
+        mixture=args.mixture,
         rsum_coteach=final["coteach"],
         rsum_vanilla=final["vanilla"],
         rsum_oracle=final["oracle"],
@@ -342,6 +347,10 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="keep corpora and runs here")
     parser.add_argument("--coteach", action="store_true", help="co-teaching vs vanilla/oracle")
     parser.add_argument("--method", default="bicro", choices=["bicro", "rcr", "sps", "cosine"])
+    parser.add_argument("--mixture", default="bmm", choices=["bmm", "gmm"], help="--coteach")
+    parser.add_argument(
+        "--modes", nargs="+", default=["coteach", "vanilla", "oracle"], help="--coteach"
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--epochs-per-round", type=int, default=2)
     parser.add_argument("--test-samples", type=int, default=500)

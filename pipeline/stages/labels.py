@@ -118,6 +118,8 @@ __all__ = [
     "METHODS",
     "RcrParams",
     "SpsParams",
+    "quality_arrays",
+    "quality_from_parts",
     "run_label_pass",
 ]
 
@@ -1131,13 +1133,22 @@ def _nullable_string(values: np.ndarray | None, n: int) -> pa.Array:
     return pa.array(list(values), type=pa.string())
 
 
-def _quality_arrays(
-    spec: LabelSpec, keys: list[str], scores: dict[str, np.ndarray], subsets: dict
+def quality_arrays(
+    ground_truth: str, keys: list[str], scores: dict[str, np.ndarray], subsets: dict
 ) -> dict[str, Any]:
-    """Ground truth joined by key, with the scores to evaluate (float32) for the driver."""
+    """Ground truth joined by key, with the scores to evaluate (float32) for the driver.
+
+    Args:
+        ground_truth: ground_truth.parquet (key, kind, degree).
+        keys: (N,) the shard's keys, aligned with every array of `scores` and `subsets`.
+        scores: {name: (N,) float score}; subsets: {name: (N,) bool clean subset}.
+
+    Returns:
+        Compact per-pair arrays (kind as int8 codes of KIND_CODES) for `quality_from_parts`.
+    """
     import pyarrow.compute as pc
 
-    truth = _read_table(spec.ground_truth, ["key", "kind", "degree"])
+    truth = _read_table(ground_truth, ["key", "kind", "degree"])
     truth = truth.filter(pc.is_in(truth.column("key"), value_set=pa.array(keys, pa.string())))
     position = {key: i for i, key in enumerate(keys)}
     rows = np.array([position[k] for k in truth.column("key").to_pylist()], dtype=np.int64)
@@ -1255,8 +1266,8 @@ def _label_task(
         "seconds": time.perf_counter() - started,
     }
     if spec.ground_truth:
-        summary["quality"] = _quality_arrays(
-            spec,
+        summary["quality"] = quality_arrays(
+            spec.ground_truth,
             table.column("key").to_pylist(),
             *_quality_scores(spec, fits, scalars, masks, result, soft, subset, cosine),
         )
@@ -1522,7 +1533,7 @@ def run_label_pass(spec: LabelSpec, log: Callable[[str], None] = print) -> dict[
         "quality": None,
     }
     if spec.ground_truth:
-        summary["quality"] = _quality(results, spec)
+        summary["quality"] = quality_from_parts([r["quality"] for r in results if "quality" in r])
         _print_quality(summary["quality"], summary, log)
     timings["total"] = sum(timings.values())
     write_json_atomic(summary, f"{spec.out_dir}/{SUMMARY_NAME}")
@@ -1716,12 +1727,13 @@ def _embedding_dim(spec: LabelSpec, shard: str) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def _quality(results: list[dict], spec: LabelSpec) -> dict[str, Any]:
+def quality_from_parts(parts: list[dict]) -> dict[str, Any] | None:
+    """Label quality per score over every shard's `quality_arrays` (None without parts)."""
     from pipeline.core.metrics import label_quality
 
-    parts = [r["quality"] for r in results if "quality" in r]
-    kind = np.concatenate([p["kind"] for p in parts])
-    kinds = np.array(KIND_CODES)[kind]
+    if not parts:
+        return None
+    kinds = np.array(KIND_CODES)[np.concatenate([p["kind"] for p in parts])]
     degree = np.concatenate([p["degree"] for p in parts])
     out = {}
     for name in parts[0]["scores"]:

@@ -30,6 +30,7 @@ import pyarrow as pa
 
 from pipeline.io.labels import LABELS_SCHEMA, SUBSET_VALUES
 from pipeline.io.tables import read_json, write_json_atomic, write_table_atomic
+from pipeline.stages.labels import quality_arrays, quality_from_parts
 
 __all__ = ["ORACLE_SCHEMA", "publish_labels", "write_oracle_labels", "LabelViewMismatchError"]
 
@@ -122,7 +123,7 @@ def combine_shard(
         "seconds": time.perf_counter() - started,
     }
     if ground_truth:
-        summary["quality"] = _quality_arrays(
+        summary["quality"] = quality_arrays(
             ground_truth,
             keys.to_pylist(),
             {
@@ -134,40 +135,6 @@ def combine_shard(
             {"combined": subset == 0},
         )
     return summary
-
-
-def _quality_arrays(ground_truth: str, keys: list[str], scores: dict, subsets: dict) -> dict:
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    truth = pq.read_table(ground_truth, columns=["key", "kind", "degree"])
-    truth = truth.filter(pc.is_in(truth.column("key"), value_set=pa.array(keys, pa.string())))
-    position = {key: i for i, key in enumerate(keys)}
-    rows = np.array([position[k] for k in truth.column("key").to_pylist()], dtype=np.int64)
-    return {
-        "kind": np.array(truth.column("kind").to_pylist(), dtype=object),
-        "degree": truth.column("degree").to_numpy().astype(np.float32),
-        "scores": {name: np.asarray(v, np.float32)[rows] for name, v in scores.items()},
-        "subsets": {name: np.asarray(v)[rows] for name, v in subsets.items()},
-    }
-
-
-def _quality(results: list[dict]) -> dict[str, Any] | None:
-    from pipeline.core.metrics import label_quality
-
-    parts = [r["quality"] for r in results if "quality" in r]
-    if not parts:
-        return None
-    kind = np.concatenate([p["kind"] for p in parts])
-    degree = np.concatenate([p["degree"] for p in parts])
-    out = {}
-    for name in parts[0]["scores"]:
-        scores = np.concatenate([p["scores"][name] for p in parts])
-        subset = None
-        if name in parts[0]["subsets"]:
-            subset = np.concatenate([p["subsets"][name] for p in parts])
-        out[name] = label_quality(scores, kind, degree, subset)
-    return out
 
 
 def publish_labels(
@@ -222,7 +189,7 @@ def publish_labels(
         "samples": sum(r["rows"] for r in results),
         "subsets": {name: sum(r["subsets"][name] for r in results) for name in SUBSET_VALUES},
         "partition": {view: s.get("partition") for view, s in views.items()},
-        "quality": _quality(results),
+        "quality": quality_from_parts([r["quality"] for r in results if "quality" in r]),
         "seconds": time.perf_counter() - started,
     }
     write_json_atomic(summary, f"{out_dir}/{SUMMARY_NAME}")
