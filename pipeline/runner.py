@@ -432,13 +432,18 @@ def coteaching_table(job: JobConfig, rounds: dict, published: dict) -> list[dict
 def _print_round(summary: dict, log: Callable[[str], None]) -> None:
     retrieval = summary.get("retrieval") or {}
     shown = ", ".join(f"{name} {r['rsum']:.1f}" for name, r in retrieval.items())
-    losses = ", ".join(
-        f"{view} {info['history'][-1]['loss']:.3f}"
-        for view, info in summary["views"].items()
-        if info["history"]
-    )
+    views = []
+    for view, info in summary["views"].items():
+        if not info["history"]:
+            continue
+        last = info["history"][-1]
+        proxies = f", {last['proxy_pairs']} proxy pairs" if last.get("proxy_pairs") else ""
+        views.append(
+            f"{view} InfoNCE {last['loss']:.3f}, mean pair weight "
+            f"{last.get('mean_weight', float('nan')):.2f}{proxies}"
+        )
     log(
-        f"co-teaching round {summary['round']}: last-epoch InfoNCE {losses}"
+        f"co-teaching round {summary['round']} (last epoch): {'; '.join(views)}"
         + (f"; held-out rSum {shown}" if shown else "")
     )
 

@@ -22,6 +22,7 @@ input: {{shards: "{corpus}/{{00000..00002}}.tar"}}
 output: {output}
 model: {{name: ncl-tiny, pretrained: null}}
 embed: {{batch_size: 64, gpus_per_worker: 0, cpus_per_worker: 1, decode_threads: 2, concurrency: 1}}
+mixture: {{kind: gmm}}
 labels: {{method: {method}, sps: {{eps1: 0.9}}}}
 train:
   mode: {mode}
@@ -45,7 +46,7 @@ def corpus(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("coteach") / "demo"
     make_corpus(
-        root, samples=600, noise=0.4, partial=0.1, seed=7, samples_per_shard=200, test_samples=100
+        root, samples=360, noise=0.4, partial=0.1, seed=7, samples_per_shard=120, test_samples=60
     )
     return root
 
@@ -78,6 +79,13 @@ def test_each_round_writes_both_views_tables_and_trains(sps_run):
         assert set(rounds[r]["retrieval"]) == {"A", "B", "A+B"}
         assert (out / "rounds" / r / "checkpoints" / "A" / "model.pt").exists()
     assert "train" not in rounds["3"]
+    # SPS schedule (quasi_start 0, noisy_start 0.5 of 2 epochs): proxies only in round 2.
+    for view in ("A", "B"):
+        first = rounds["1"]["train"]["views"][view]["history"][-1]
+        second = rounds["2"]["train"]["views"][view]["history"][-1]
+        assert first["proxy_pairs"] == 0 and 0 < first["reliable_pairs"] < first["pairs"]
+        assert 0 < first["mean_weight"] < 1
+        assert second["proxy_pairs"] >= 0 and second["pairs"] == first["pairs"]
     assert "co-teaching (coteach, labels sps)" in sps_run["log"]
 
 
@@ -109,7 +117,7 @@ def test_published_labels_are_the_mean_of_the_final_round_views(sps_run):
         .sort_by([("shard", "ascending"), ("key", "ascending")])
         for v in ("a", "b")
     ]
-    assert final.num_rows == views[0].num_rows == 600
+    assert final.num_rows == views[0].num_rows == 360
     expected = 0.5 * (
         views[0].column("soft_label").to_numpy() + views[1].column("soft_label").to_numpy()
     )

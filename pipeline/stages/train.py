@@ -65,6 +65,7 @@ from pipeline.models import ModelSpec, load_clip, load_transforms
 __all__ = ["TrainSpec", "ViewSpec", "run_training", "read_training_batches", "epoch_shard_order"]
 
 LOG_EVERY_STEPS = 20
+TARGET_STATS = ("pairs", "weight", "reliable", "proxy")  # per-epoch sums, in the history
 
 
 @dataclass(frozen=True)
@@ -244,6 +245,7 @@ def read_training_batches(
                 "tokens": tokenizer(captions).numpy(),
                 "weight": weights[chunk],
                 "reliable": reliable[chunk].astype(np.float32),
+                "proxy": np.array([proxy_captions[i] is not None for i in chunk], np.float32),
             }
 
 
@@ -291,6 +293,7 @@ def _epoch_batches(spec: TrainSpec, view: ViewSpec, epoch: int, rank: int, world
             "tokens": torch.int64,
             "weight": torch.float32,
             "reliable": torch.float32,
+            "proxy": torch.float32,
         },
     )
 
@@ -386,6 +389,7 @@ class _ViewTrainer:
         self.warmup = WarmupState()
         self.history: list[dict] = []
         self.epoch_loss_sum, self.epoch_batches = 0.0, 0
+        self.epoch_targets = dict.fromkeys(TARGET_STATS, 0.0)
         self.stopped = False
         self.scaler = torch.amp.GradScaler(
             enabled=spec.precision == "fp16" and device.type == "cuda"
@@ -402,6 +406,7 @@ class _ViewTrainer:
             "step_in_epoch": self.step_in_epoch,
             "epoch_loss_sum": self.epoch_loss_sum,
             "epoch_batches": self.epoch_batches,
+            "epoch_targets": json.dumps(self.epoch_targets),
             "rng": torch.get_rng_state(),
             "warmup": json.dumps(self.warmup.to_dict()),
             "history": json.dumps(self.history),
@@ -423,6 +428,7 @@ class _ViewTrainer:
         self.step_in_epoch = int(state["step_in_epoch"])
         self.epoch_loss_sum = float(state["epoch_loss_sum"])
         self.epoch_batches = int(state["epoch_batches"])
+        self.epoch_targets = json.loads(state.get("epoch_targets", "{}")) or self.epoch_targets
         torch.set_rng_state(state["rng"])
         self.warmup = WarmupState(**json.loads(state["warmup"]))
         self.history = json.loads(state["history"])
@@ -466,6 +472,10 @@ class _ViewTrainer:
         self.step_in_epoch += 1
         self.epoch_loss_sum += float(plain.detach())
         self.epoch_batches += 1
+        # What the labels made of the epoch's pairs (weights, SPS reliable rows, proxy pairs).
+        for name in ("weight", "reliable", "proxy"):
+            self.epoch_targets[name] += float(batch[name].sum())
+        self.epoch_targets["pairs"] += float(batch["weight"].numel())
         return float(loss.detach())
 
 
@@ -552,6 +562,10 @@ def _train_loop(config: dict) -> None:
                 "rsum": rsum,
                 "seconds": seconds,
                 "samples_per_s": seen / max(seconds, 1e-9),
+                "pairs": int(t.epoch_targets["pairs"]),
+                "mean_weight": t.epoch_targets["weight"] / max(t.epoch_targets["pairs"], 1.0),
+                "reliable_pairs": int(t.epoch_targets["reliable"]),
+                "proxy_pairs": int(t.epoch_targets["proxy"]),
             }
             t.history.append(record)
             if spec.mode == "warmup":
@@ -574,6 +588,7 @@ def _train_loop(config: dict) -> None:
                 t.stopped = epoch + 1 >= spec.max_epochs
             t.epoch, t.step_in_epoch = epoch + 1, 0
             t.epoch_loss_sum, t.epoch_batches = 0.0, 0
+            t.epoch_targets = dict.fromkeys(TARGET_STATS, 0.0)
             if rank == 0:
                 t.save()
                 shown = f", held-out rSum {rsum:.1f}" if rsum is not None else ""
