@@ -107,6 +107,8 @@ def test_submit_runs_the_demo_job_on_the_cluster(head, tmp_path):
         "eval.test_shards=null",
         "--set",
         "train.warmup_epochs=0",
+        "--set",
+        "train.rounds=0",  # the submission is under test here; co-teaching has its own tests
     ]
     result = _submit(args, {"RAY_AUTH_MODE": "token"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -116,6 +118,10 @@ def test_submit_runs_the_demo_job_on_the_cluster(head, tmp_path):
         "00001.parquet",
     ]
     assert len(corpus.shards) == 2
+    assert sorted(p.name for p in (out / "labels").glob("*.parquet")) == [
+        "00000.parquet",
+        "00001.parquet",
+    ]
 
 
 def test_submit_explains_a_missing_token(head, tmp_path):
