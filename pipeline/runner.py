@@ -439,7 +439,7 @@ def _print_round(summary: dict, log: Callable[[str], None]) -> None:
         last = info["history"][-1]
         proxies = f", {last['proxy_pairs']} proxy pairs" if last.get("proxy_pairs") else ""
         views.append(
-            f"{view} InfoNCE {last['loss']:.3f}, mean pair weight "
+            f"{view} InfoNCE over all pairs unweighted {last['loss']:.3f}, mean pair weight "
             f"{last.get('mean_weight', float('nan')):.2f}{proxies}"
         )
     log(
