@@ -104,19 +104,24 @@ def _anchor_precision(out_dir: str, truth: dict[str, str]) -> tuple[int, float |
     return len(anchors), float(np.mean([truth.get(k) == "clean" for k in anchors]))
 
 
-def run_noise_level(noise: float, args, workdir: Path, pretrained: str | None) -> None:
-    folder = workdir / f"noise_{int(noise * 100)}"
+def _corpus(folder: Path, args, noise: float, seed: int, test_samples: int = 0):
+    """The benchmark corpus of one run: (folder/corpus, its shard count, make_corpus summary)."""
     corpus = folder / "corpus"
-    shards = max(1, args.samples // args.samples_per_shard)
-    make_corpus(
+    summary = make_corpus(
         corpus,
         samples=args.samples,
         noise=noise,
         partial=args.partial,
-        seed=args.seed,
+        seed=seed,
         samples_per_shard=args.samples_per_shard,
-        test_samples=0,
+        test_samples=test_samples,
     )
+    return corpus, max(1, args.samples // args.samples_per_shard), summary
+
+
+def run_noise_level(noise: float, args, workdir: Path, pretrained: str | None) -> None:
+    folder = workdir / f"noise_{int(noise * 100)}"
+    corpus, shards, _ = _corpus(folder, args, noise, args.seed)
     job = load_job(_job(folder, corpus, shards, pretrained, ray={"num_cpus": args.num_cpus}))
     started = time.perf_counter()
     metrics = run_job(job, log=lambda _: None)
@@ -203,17 +208,7 @@ def run_noise_level(noise: float, args, workdir: Path, pretrained: str | None) -
 def warm_up(args, workdir: Path) -> str:
     """Warm up views A and B on a 40 %-noise corpus; returns view A's checkpoint."""
     folder = workdir / "warmup"
-    corpus = folder / "corpus"
-    shards = max(1, args.samples // args.samples_per_shard)
-    make_corpus(
-        corpus,
-        samples=args.samples,
-        noise=0.4,
-        partial=args.partial,
-        seed=args.seed + 1,
-        samples_per_shard=args.samples_per_shard,
-        test_samples=0,
-    )
+    corpus, shards, _ = _corpus(folder, args, 0.4, args.seed + 1)
     job = load_job(
         _job(
             folder,
@@ -239,17 +234,7 @@ def _share_warmup(source: str, target: str) -> None:
 
 def run_coteaching(noise: float, args, workdir: Path) -> None:
     folder = workdir / f"coteach_{int(noise * 100)}"
-    corpus = folder / "corpus"
-    shards = max(1, args.samples // args.samples_per_shard)
-    corpus_info = make_corpus(
-        corpus,
-        samples=args.samples,
-        noise=noise,
-        partial=args.partial,
-        seed=args.seed,
-        samples_per_shard=args.samples_per_shard,
-        test_samples=args.test_samples,
-    )
+    corpus, shards, corpus_info = _corpus(folder, args, noise, args.seed, args.test_samples)
     demo = yaml.safe_load(Path("jobs/demo.yaml").read_text())
     train = {
         **demo["train"],
