@@ -274,14 +274,7 @@ def run_coteaching(noise: float, args, workdir: Path) -> None:
                 mode=mode,
                 method=args.method,
                 mixture=args.mixture,
-                models=row["models"],
-                auroc_a=row["auroc_a"],
-                auroc_b=row["auroc_b"],
-                spearman_a=row["spearman_a"],
-                spearman_b=row["spearman_b"],
-                rsum_a=row["rsum_A"],
-                rsum_b=row["rsum_B"],
-                rsum_ab=row["rsum_A+B"],
+                **row,
             )
         emit(
             "coteach_run",

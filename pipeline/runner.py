@@ -198,13 +198,10 @@ def run_job(job: JobConfig, log: Callable[[str], None] = print) -> dict:
         _print_round(trained, log)
 
     # 4. The final labels/: the last round's two views combined (mean).
+    embedded = _shard_sizes(layout, last, shard_paths)
     published = publish_labels(
         {view: layout.labels_round_dir(last, view) for view in ("a", "b")},
-        [
-            shard_name(p)
-            for p in shard_paths
-            if shard_name(p) in _shard_sizes(layout, last, shard_paths)
-        ],
+        [shard_name(p) for p in shard_paths if shard_name(p) in embedded],
         layout.labels_dir,
         round_index=last,
         job_hash=job.stage_hash(),
@@ -313,14 +310,9 @@ def warmup_spec(job: JobConfig, layout: RunLayout, shard_paths: list[str]):
     """Round 0 training: warm up views A and B (seeds differ) from the job's model."""
     from pipeline.stages.train import TrainSpec, ViewSpec
 
+    initial = round_models(job, {})
     views = tuple(
-        ViewSpec(
-            name=name,
-            init=ModelSpec(
-                job.model.name, job.model.pretrained, job.model.precision, seed=job.seed + offset
-            ),
-            seed=job.seed + offset,
-        )
+        ViewSpec(name=name, init=initial[name.lower()], seed=job.seed + offset)
         for offset, name in enumerate(("A", "B"))
     )
     warm = job.train.warmup
@@ -362,6 +354,7 @@ def coteach_spec(
         embeddings = {shard: layout.embeddings(round_index, shard) for shard in sizes}
         sizes = write_oracle_labels(job.eval.ground_truth, embeddings, oracle_dir)
     method = job.labels.method
+    models = round_models(job, checkpoints)
     views = []
     for offset, (name, peer) in enumerate((("A", "b"), ("B", "a"))):
         labels_dir, proxies_dir, targets = None, None, "weights"
@@ -374,12 +367,7 @@ def coteach_spec(
         views.append(
             ViewSpec(
                 name=name,
-                init=ModelSpec(
-                    job.model.name,
-                    checkpoints.get(name, job.model.pretrained),
-                    job.model.precision,
-                    seed=job.seed + offset,
-                ),
+                init=models[name.lower()],
                 # A new data order every round (the epoch counter restarts in each run).
                 seed=job.seed + offset + 1000 * round_index,
                 labels_dir=labels_dir,

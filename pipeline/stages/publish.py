@@ -49,22 +49,15 @@ class LabelViewMismatchError(ValueError):
     """The two views' tables of a shard do not list the same keys in the same order."""
 
 
-def _read(path: str) -> pa.Table:
+def _read(path: str) -> tuple[pa.Table, dict[str, str]]:
+    """One view's table and its file metadata, in one read."""
     import fsspec
     import pyarrow.parquet as pq
 
     fs, fs_path = fsspec.core.url_to_fs(path)
-    return pq.read_table(fs_path, filesystem=fs, schema=LABELS_SCHEMA)
-
-
-def _metadata(path: str) -> dict[str, str]:
-    import fsspec
-    import pyarrow.parquet as pq
-
-    fs, fs_path = fsspec.core.url_to_fs(path)
-    with fs.open(fs_path, "rb") as handle:
-        raw = pq.read_schema(handle).metadata or {}
-    return {k.decode(): v.decode() for k, v in raw.items()}
+    table = pq.read_table(fs_path, filesystem=fs)
+    raw = table.schema.metadata or {}
+    return table, {k.decode(): v.decode() for k, v in raw.items()}
 
 
 def _mean_column(a: pa.ChunkedArray, b: pa.ChunkedArray) -> pa.Array:
@@ -87,7 +80,7 @@ def combine_shard(
     started = time.perf_counter()
     (view_a, folder_a), (view_b, folder_b) = sorted(sources.items())
     path_a, path_b = f"{folder_a}/{shard}.parquet", f"{folder_b}/{shard}.parquet"
-    table_a, table_b = _read(path_a), _read(path_b)
+    (table_a, meta_a), (table_b, meta_b) = _read(path_a), _read(path_b)
     keys = table_a.column("key")
     if not keys.equals(table_b.column("key")):
         raise LabelViewMismatchError(
@@ -103,7 +96,6 @@ def combine_shard(
     columns["subset"] = pa.DictionaryArray.from_arrays(
         pa.array(subset, pa.int8()), pa.array(SUBSET_VALUES, pa.string())
     )
-    meta_a, meta_b = _metadata(path_a), _metadata(path_b)
     metadata = {
         **meta_a,
         "ncl.view": f"{view_a}+{view_b}",
