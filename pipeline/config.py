@@ -17,6 +17,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pipeline.core.labels import LABEL_METHODS
+
 __all__ = [
     "JobConfig",
     "JobConfigError",
@@ -145,7 +147,8 @@ class SpsLabelsConfig(_Section):
 
 
 class LabelsConfig(_Section):
-    method: Literal["bicro", "rcr", "sps", "cosine"] = Field(
+    # The choices are the registry's (pipeline.core.labels.LABEL_METHODS).
+    method: Literal[tuple(LABEL_METHODS)] = Field(  # type: ignore[valid-type]
         "bicro", description="Soft-label method written as soft_label."
     )
     loss: Literal["infonce_sum", "triplet"] = Field(

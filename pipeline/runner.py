@@ -185,7 +185,7 @@ def run_job(job: JobConfig, log: Callable[[str], None] = print) -> dict:
                 shard_paths=shard_paths,
                 trainee_view=trainee,
             )
-            summary = run_label_pass(spec, log=log)
+            summary = run_label_pass(spec)
             record(f"labels_{view}", round_index, f"labels_{view}", summary)
         if round_index == last:
             break

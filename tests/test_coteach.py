@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.core.coteach import Phase, coteach_phase, training_targets
+from pipeline.core.coteach import TRAINING_TARGETS, Phase, coteach_phase, training_targets
 from pipeline.core.partition import CLEAN, NOISY, QUASI_CLEAN
 
 SUBSET = np.array([CLEAN, CLEAN, QUASI_CLEAN, NOISY, NOISY])
@@ -16,26 +16,26 @@ LABEL = np.array([1.0, 0.7, 0.6, 0.3, 0.0], dtype=np.float32)
 
 def test_bicro_noisy_subset_joins_after_half_the_epochs_whatever_the_round_split():
     # 2 rounds x 2 epochs or 1 round x 4 epochs: the same global switch at epoch 2.
-    phases = [coteach_phase(e, 4, method="bicro").noisy for e in range(4)]
+    phases = [coteach_phase(e, 4, target="bicro").noisy for e in range(4)]
     assert phases == [False, False, True, True]
-    assert coteach_phase(0, 1, method="bicro").noisy is True  # as the reference's E // 2 = 0
-    assert coteach_phase(0, 2, bicro_noisy_start=0.0, method="bicro").noisy is True
+    assert coteach_phase(0, 1, target="bicro").noisy is True  # as the reference's E // 2 = 0
+    assert coteach_phase(0, 2, bicro_noisy_start=0.0, target="bicro").noisy is True
 
 
 def test_sps_schedule_matches_the_reference_epochs():
     # SPS code: 40 epochs, quasi-clean from epoch 10, noisy from epoch 15.
-    quasi = [coteach_phase(e, 40, method="sps").quasi_clean for e in range(40)]
-    noisy = [coteach_phase(e, 40, method="sps").noisy for e in range(40)]
+    quasi = [coteach_phase(e, 40, target="sps").quasi_clean for e in range(40)]
+    noisy = [coteach_phase(e, 40, target="sps").noisy for e in range(40)]
     assert quasi.index(True) == 10 and all(quasi[10:])
     assert noisy.index(True) == 15 and all(noisy[15:])
-    assert coteach_phase(3, 8, method="sps").noisy is True  # 0.375 * 8 = 3 despite float error
+    assert coteach_phase(3, 8, target="sps").noisy is True  # 0.375 * 8 = 3 despite float error
 
 
 def test_phase_rejects_bad_epochs_and_methods():
     with pytest.raises(ValueError, match="outside"):
         coteach_phase(4, 4)
     with pytest.raises(ValueError, match="method"):
-        coteach_phase(0, 4, method="ncr")
+        coteach_phase(0, 4, target="ncr")
 
 
 def test_bicro_clean_phase_zeroes_noisy_rows_only():
@@ -46,10 +46,20 @@ def test_bicro_clean_phase_zeroes_noisy_rows_only():
     assert not early.reliable.any() and not early.use_proxy.any()
 
 
-@pytest.mark.parametrize("method", ["rcr", "cosine", "weights"])
-def test_weight_methods_use_the_label_as_is(method):
-    out = training_targets(method, Phase(noisy=False, quasi_clean=False), SUBSET, LABEL)
+def test_weights_target_uses_the_label_as_is():
+    out = training_targets("weights", Phase(noisy=False, quasi_clean=False), SUBSET, LABEL)
     np.testing.assert_array_equal(out.weight, LABEL)
+
+
+def test_every_label_method_names_a_training_target():
+    from pipeline.core.labels import LABEL_METHODS
+
+    assert {m.training_target for m in LABEL_METHODS.values()} <= set(TRAINING_TARGETS)
+    # RCR and the cosine baseline train on their label as the weight; BiCro and SPS schedule.
+    assert LABEL_METHODS["rcr"].training_target == "weights"
+    assert LABEL_METHODS["cosine"].training_target == "weights"
+    assert LABEL_METHODS["bicro"].training_target == "bicro"
+    assert LABEL_METHODS["sps"].training_target == "sps"
 
 
 def test_sps_targets_follow_the_schedule():
@@ -70,7 +80,7 @@ def test_sps_targets_follow_the_schedule():
 @given(
     n=st.integers(0, 40),
     seed=st.integers(0, 2**31 - 1),
-    method=st.sampled_from(["bicro", "rcr", "sps", "cosine", "weights"]),
+    method=st.sampled_from(["bicro", "sps", "weights"]),
     noisy=st.booleans(),
     quasi=st.booleans(),
 )

@@ -1,4 +1,6 @@
-"""Soft labels: METHODS §7 properties, hand-checked values, and separation on synthetic blobs."""
+"""Label methods (pipeline.core.labels): invariants, hand-checked values, and separation on
+synthetic blobs; whole-corpus runs go through `label_in_memory`, the label stage's own steps
+with the in-process neighbour back-end."""
 
 from __future__ import annotations
 
@@ -10,25 +12,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sklearn.metrics import roc_auc_score
 
+from pipeline.config import BicroLabelsConfig, LabelsConfig, RcrLabelsConfig, SpsLabelsConfig
+from pipeline.core.coteach import TRAINING_TARGETS
 from pipeline.core.knn import exact_topk_torch
-from pipeline.core.losses import infonce_per_sample
-from pipeline.core.soft_labels import (
-    SOFT_LABEL_METHODS,
-    bicro_global_anchors,
-    bicro_in_batch_anchors,
-    bicro_labels,
-    cosine_labels,
-    fold,
-    ndcg_at_k,
+from pipeline.core.labels import LABEL_METHODS, SCORE_COLUMNS
+from pipeline.core.labels.bicro import bicro_in_batch_anchors, bicro_labels, fold
+from pipeline.core.labels.cosine import cosine_labels
+from pipeline.core.labels.in_memory import label_in_memory
+from pipeline.core.labels.rcr import ndcg_at_k, rcr_ndcg, rcr_weights
+from pipeline.core.labels.sps import (
     proxy_match_probability,
-    rcr_global,
-    rcr_ndcg,
-    rcr_weights,
-    select_bicro_anchors,
-    sps_proxy_global,
     sps_proxy_labels,
     sps_quasi_clean_label,
 )
+from pipeline.core.losses import infonce_per_sample
+from pipeline.core.partition import CLEAN
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -148,60 +146,68 @@ def test_bicro_labels_hand_values():
     assert out["bicro"][0] == pytest.approx(expected, abs=1e-6)
 
 
-def test_select_bicro_anchors():
-    losses = np.array([0.5, 0.1, 0.1, 0.9, 0.05, 0.3, np.nan])
-    is_clean = np.array([True, True, True, False, False, True, True])
-    mask = select_bicro_anchors(losses, is_clean, fraction=0.75)  # ceil(0.75 * 4 finite) = 3
-    np.testing.assert_array_equal(np.flatnonzero(mask), [1, 2, 5])
-    # Ties are broken by id, not by row.
-    mask = select_bicro_anchors(losses, is_clean, fraction=0.2, ids=np.array([0, 9, 3, 0, 0, 0, 0]))
-    np.testing.assert_array_equal(np.flatnonzero(mask), [2])
-    # 0.1 * 30 is 3.0000000000000004 in floats; the anchor count must still be 3.
-    assert select_bicro_anchors(np.arange(30.0), np.ones(30, bool)).sum() == 3
-    with pytest.raises(ValueError, match="empty"):
-        select_bicro_anchors(losses, np.zeros(7, dtype=bool))
+def _bicro(u, v, loss, is_clean, **options):
+    """BiCro over a corpus whose clean split is `is_clean` (posterior 1 / 0)."""
+    return label_in_memory(
+        "bicro",
+        options.pop("params", BicroLabelsConfig()),
+        u=u,
+        v=v,
+        loss=loss,
+        prob=is_clean.astype(np.float32),
+        **options,
+    )
 
 
 def test_bicro_global_separates_clean_from_noisy(blobs):
     u, v, is_noisy, loss, is_clean = blobs
-    out = bicro_global_anchors(u, v, loss, is_clean)
-    assert out["is_anchor"].sum() == -(-int(is_clean.sum()) // 10)  # ceil(0.1 |C|)
-    assert np.all(out["image_anchor"][out["is_anchor"]] == -1)
-    assert np.all(out["is_anchor"][out["image_anchor"][~out["is_anchor"]]])
-    assert roc_auc_score(~is_noisy, out["bicro"]) >= 0.95
-    queried = ~out["is_anchor"]
-    consistency = out["r_i2t"][queried] + out["r_t2i"][queried]
-    assert roc_auc_score(~is_noisy[queried], consistency) >= 0.95
+    out = _bicro(u, v, loss, is_clean)
+    anchor, raw = out.masks.anchor, out.labels.scores["bicro"]
+    assert anchor.sum() == -(-int(is_clean.sum()) // 10)  # ceil(0.1 |C|)
+    assert np.all(out.labels.image_anchor_key[anchor] == None)  # noqa: E711 - not queried
+    named = out.labels.image_anchor_key[~anchor].astype(int)
+    assert np.all(anchor[named])  # every pair names an anchor
+    assert np.all(raw[anchor] == 1.0)
+    assert roc_auc_score(~is_noisy, raw) >= 0.95
+    assert roc_auc_score(~is_noisy[~anchor], raw[~anchor]) >= 0.95
+    np.testing.assert_array_equal(out.labels.subset == CLEAN, is_clean)
+    star = out.labels.soft_label
+    assert np.all((star == 0) | (star > 0.5)) and np.all(star[star > 0] == raw[star > 0])
     # The global-vs-in-batch ablation (BENCHMARKS): global anchors are at least as good.
     in_batch = bicro_in_batch_anchors(u, v, loss, is_clean)
-    assert roc_auc_score(~is_noisy, out["bicro"]) >= roc_auc_score(~is_noisy, in_batch["bicro"])
+    assert roc_auc_score(~is_noisy, raw) >= roc_auc_score(~is_noisy, in_batch["bicro"])
 
 
-def test_bicro_global_is_row_equivariant(blobs):
+def test_bicro_global_is_permutation_equivariant_and_shard_free(blobs):
+    """Permuting rows permutes the labels when no tie needs the id; shards and index stores
+    change nothing."""
     u, v, _, loss, is_clean = blobs
-    ids = np.arange(u.shape[0], dtype=np.int64) * 5
-    out = bicro_global_anchors(u, v, loss, is_clean, ids=ids, shards=3)
-    perm = np.random.default_rng(1).permutation(u.shape[0])
-    permuted = bicro_global_anchors(
-        u[perm], v[perm], loss[perm], is_clean[perm], ids=ids[perm], shards=3
-    )
-    for key in ("bicro", "bicro_star", "r_i2t", "r_t2i", "is_anchor"):
-        np.testing.assert_array_equal(permuted[key], out[key][perm])
-    # Anchor rows move with the permutation: compare the anchors' sample ids.
-    queried = ~out["is_anchor"][perm]
+    n = u.shape[0]
+    out = _bicro(u, v, loss, is_clean)
+    sharded = _bicro(u, v, loss, is_clean, shard_sizes=[700, 0, n - 700], index_stores=3)
+    np.testing.assert_array_equal(sharded.labels.soft_label, out.labels.soft_label)
+    np.testing.assert_array_equal(sharded.labels.image_anchor_key, out.labels.image_anchor_key)
+    perm = np.random.default_rng(1).permutation(n)
+    permuted = _bicro(u[perm], v[perm], loss[perm], is_clean[perm], index_stores=2)
+    np.testing.assert_array_equal(permuted.labels.soft_label, out.labels.soft_label[perm])
+    np.testing.assert_array_equal(permuted.masks.anchor, out.masks.anchor[perm])
+    # Anchor keys are row numbers: map the permuted ones back to original rows.
+    queried = ~permuted.masks.anchor
     np.testing.assert_array_equal(
-        ids[perm][permuted["image_anchor"][queried]],
-        ids[out["image_anchor"][perm][queried]],
+        perm[permuted.labels.text_anchor_key[queried].astype(int)],
+        out.labels.text_anchor_key[perm][queried].astype(int),
     )
 
 
-def test_bicro_global_nan_rows():
+def test_bicro_rows_without_a_finite_loss():
     u, v, _ = _blobs(n=300, seed=3)
     u[5] = np.nan
-    loss = 1.0 - np.nan_to_num((u * v).sum(axis=1))
-    out = bicro_global_anchors(u, v, loss, np.ones(300, dtype=bool))
-    assert np.isnan(out["bicro"][5]) and not out["is_anchor"][5]
-    assert np.isfinite(np.delete(out["bicro"], 5)).all()
+    loss = (1.0 - (u * v).sum(axis=1)).astype(np.float32)  # NaN for row 5
+    prob = np.where(np.isfinite(loss), 1.0, np.nan).astype(np.float32)
+    out = label_in_memory("bicro", BicroLabelsConfig(), u=u, v=v, loss=loss, prob=prob)
+    assert out.labels.soft_label[5] == 0.0 and not out.masks.anchor[5]
+    assert out.labels.subset[5] != CLEAN
+    assert np.isfinite(out.labels.scores["bicro"]).all()
 
 
 def test_bicro_in_batch_labels_are_aligned_and_equivariant():
@@ -332,14 +338,18 @@ def test_ndcg_image_dedup_and_degenerate():
     assert out["ndcg"][0] == 0.0 and out["degenerate"][0]
 
 
-def test_rcr_global_separates_clean_from_noisy(blobs):
-    u, v, is_noisy, _, _ = blobs
-    out = rcr_global(u, v, k=10, shards=2)
-    assert roc_auc_score(~is_noisy, out["w"]) >= 0.95
-    assert out["w"][~is_noisy].mean() > 0.7 and out["w"][is_noisy].mean() < 0.3
-    np.testing.assert_array_equal(rcr_weights(out["w"], ~is_noisy)[is_noisy], 0.0)
-    excluded = rcr_global(u, v, k=10, include_self=False)
-    assert roc_auc_score(~is_noisy, excluded["w"]) >= 0.95
+def test_rcr_in_memory_separates_clean_from_noisy(blobs):
+    u, v, is_noisy, loss, _ = blobs
+    clean = (~is_noisy).astype(np.float32)
+    options = dict(u=u, v=v, loss=loss, prob=clean, alpha_i2t=clean, alpha_t2i=clean)
+    out = label_in_memory("rcr", RcrLabelsConfig(k=10), index_stores=2, **options)
+    w = out.labels.scores["rcr"]
+    assert roc_auc_score(~is_noisy, w) >= 0.95
+    assert w[~is_noisy].mean() > 0.7 and w[is_noisy].mean() < 0.3
+    np.testing.assert_array_equal(out.masks.in_c, ~is_noisy)
+    np.testing.assert_array_equal(out.labels.soft_label, rcr_weights(w, ~is_noisy))
+    excluded = label_in_memory("rcr", RcrLabelsConfig(k=10, include_self=False), **options)
+    assert roc_auc_score(~is_noisy, excluded.labels.scores["rcr"]) >= 0.95
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,26 +441,35 @@ def test_sps_proxy_zero_below_beta_over_gamma(rows, dim, seed, gamma, beta):
         assert np.all(label[similarity <= 0] == 0)
 
 
-def test_sps_proxy_global_and_empty_reliable_set(blobs):
+def test_sps_in_memory_proxies_and_empty_reliable_set(blobs):
     u, v, is_noisy, loss, _ = blobs
     is_reliable = ~is_noisy & (loss <= np.quantile(loss, 0.5))
+    prob = np.select([is_reliable, is_noisy], [1.0, 0.0], 0.7).astype(np.float32)
+    captions = np.array([f"caption {i}" for i in range(len(u))], dtype=object)
+    params = SpsLabelsConfig()
+    out = label_in_memory("sps", params, u=u, v=v, loss=loss, prob=prob, captions=captions)
+    proxies = out.labels.proxies
     noisy_rows = np.flatnonzero(is_noisy)
-    out = sps_proxy_global(u, v, is_reliable, noisy_rows, logit_scale=1 / 0.07)
-    assert np.all(is_reliable[out["image_proxy"]]) and np.all(is_reliable[out["text_proxy"]])
+    np.testing.assert_array_equal(proxies["rows"], noisy_rows)
+    image_proxy = proxies["image_proxy_key"].astype(int)
+    assert np.all(is_reliable[image_proxy])
+    assert np.all(is_reliable[proxies["text_proxy_key"].astype(int)])
     # The proxy caption of a noisy image is the caption of its nearest reliable image.
     nearest = np.flatnonzero(is_reliable)[np.argmax(u[noisy_rows] @ u[is_reliable].T, axis=1)]
-    assert np.mean(out["image_proxy"] == nearest) > 0.99
-    assert not out["no_proxy"].any()
+    assert np.mean(image_proxy == nearest) > 0.99
+    assert proxies["image_proxy_caption"].tolist() == captions[image_proxy].tolist()
     for direction in ("img", "txt"):
-        label = out[f"y_p_{direction}"]
-        product = out[f"p_hat_{direction}"] * out[f"s_{direction}"]
-        assert (label > 0).any()
-        np.testing.assert_allclose(label[label > 0], product[label > 0], rtol=1e-5)
-        assert np.all(product[label == 0] < 0.5 + 1e-6)
-    empty = sps_proxy_global(u, v, np.zeros(len(u), bool), noisy_rows, logit_scale=1 / 0.07)
-    assert empty["no_proxy"].all()
-    np.testing.assert_array_equal(empty["y_p_img"], 0.0)
-    np.testing.assert_array_equal(empty["y_p_txt"], 0.0)
+        label, similarity = proxies[f"y_p_{direction}"], proxies[f"s_{direction}"]
+        assert (label > 0).any() and np.all((label == 0) | (label >= 0.5))
+        assert np.all(label <= similarity + 1e-6)  # y_p = P^ x S with P^ <= 1
+    soft = out.labels.soft_label
+    assert np.all(soft[is_reliable] == 1) and np.all(soft[is_noisy] == 0)
+    quasi = ~is_reliable & ~is_noisy
+    assert np.all(soft[quasi] >= 0.7 - 1e-6)
+    empty = label_in_memory("sps", params, u=u, v=v, loss=loss, prob=np.minimum(prob, 0.9))
+    assert np.all(empty.labels.proxies["image_proxy_key"] == None)  # noqa: E711
+    np.testing.assert_array_equal(empty.labels.proxies["y_p_img"], 0.0)
+    np.testing.assert_array_equal(empty.labels.proxies["y_p_txt"], 0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,6 +487,25 @@ def test_cosine_labels_keep_the_auroc(blobs):
     )
 
 
-def test_registry_names_callables():
-    assert {"cosine", "bicro", "rcr", "sps_quasi_clean", "sps_proxy"} <= set(SOFT_LABEL_METHODS)
-    assert all(callable(fn) for fn in SOFT_LABEL_METHODS.values())
+@pytest.mark.parametrize("name", sorted(LABEL_METHODS))
+def test_every_registered_method_labels_a_corpus(name, blobs):
+    """Each entry runs end to end in memory and fills exactly the columns it declares; the
+    config accepts its name and its training target exists."""
+    u, v, is_noisy, loss, _ = blobs
+    entry = LABEL_METHODS[name]
+    params = getattr(LabelsConfig(method=name), name, None)
+    clean = (~is_noisy).astype(np.float32)
+    out = label_in_memory(
+        name, params, u=u, v=v, loss=loss, prob=clean, alpha_i2t=clean, alpha_t2i=clean
+    )
+    soft = out.labels.soft_label
+    assert soft.dtype == np.float32 and soft.shape == (len(u),)
+    assert np.all((soft >= 0) & (soft <= 1))
+    assert roc_auc_score(~is_noisy, soft) >= 0.9
+    assert set(out.labels.scores) == set(entry.score_columns)
+    assert (out.labels.proxies is not None) == entry.proxy_table
+    assert entry.training_target in TRAINING_TARGETS
+    assert set(entry.score_columns) <= set(SCORE_COLUMNS)
+    from pipeline.io.labels import LABELS_SCHEMA
+
+    assert set(SCORE_COLUMNS) <= set(LABELS_SCHEMA.names)

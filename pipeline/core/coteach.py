@@ -4,20 +4,21 @@ Contract:
 - `coteach_phase(...)`: the subsets that take part in co-teaching epoch e (0-based over all
   rounds' epochs, E in total). A subset joins at epoch ⌊start·E⌋, so "half the epochs" means
   the same thing for 1 round of 4 epochs and 4 rounds of 1 (METHODS §2.2 step 5, §4.7).
-- `training_targets(method, phase, subset, soft_label, proxy_label)`: per-row training targets
+- `training_targets(target, phase, subset, soft_label, proxy_label)`: per-row training targets
   from a label table: the weight of the pair's positive InfoNCE term (or its soft margin), the
   SPS reliable flag (L_cro/L_met rows) and whether the caption is replaced by the SPS proxy
   caption. A weight of 0 keeps the pair in the batch as a negative only (METHODS §5.1 Eq. 12).
 
-Per method (labels estimated by the peer model; METHODS §1.8):
+Training targets (labels estimated by the peer model; docs/methods.md §10). Each label method
+names its target in `pipeline.core.labels.LABEL_METHODS`:
 - bicro: weight = the BiCro* soft label; noisy-subset rows weigh 0 until the noisy phase
   (the reference trains on the clean loader only for the first half of its epochs).
-- rcr: weight = w̃ (zero outside the candidate set C). cosine: weight = the clipped cosine.
 - sps: reliable rows weigh 1 and carry the L_cro/L_met constraints; quasi-clean rows weigh
   ŷ_qc from the quasi phase on; a noisy row becomes the proxy pair (its image with the proxy
   caption) weighing y_p from the noisy phase on, when y_p > 0; otherwise it weighs 0 and keeps
   its own caption as a negative.
-- weights: the label is the weight (vanilla: all 1; oracle: ground truth 1/0).
+- weights: the label is the weight (RCR's w̃, the cosine baseline's label; vanilla: all 1;
+  oracle: ground truth 1/0).
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ import numpy as np
 
 from pipeline.core.partition import CLEAN, NOISY, QUASI_CLEAN
 
-__all__ = ["TARGET_METHODS", "Phase", "TrainingTargets", "coteach_phase", "training_targets"]
+__all__ = ["TRAINING_TARGETS", "Phase", "TrainingTargets", "coteach_phase", "training_targets"]
 
-TARGET_METHODS = ("bicro", "rcr", "sps", "cosine", "weights")
+TRAINING_TARGETS = ("bicro", "sps", "weights")
 
 
 @dataclass(frozen=True)
@@ -54,23 +55,23 @@ def coteach_phase(
     bicro_noisy_start: float = 0.5,
     sps_quasi_start: float = 0.25,
     sps_noisy_start: float = 0.375,
-    method: str = "bicro",
+    target: str = "bicro",
 ) -> Phase:
     """The subsets of co-teaching epoch `epoch` (0-based) out of `total_epochs`.
 
     Raises:
-        ValueError: an epoch outside [0, total_epochs) or an unknown method.
+        ValueError: an epoch outside [0, total_epochs) or an unknown target.
     """
-    if method not in TARGET_METHODS:
-        raise ValueError(f"method must be one of {TARGET_METHODS}, got {method!r}")
+    if target not in TRAINING_TARGETS:
+        raise ValueError(f"target must be one of {TRAINING_TARGETS}, got {target!r}")
     if not 0 <= epoch < total_epochs:
         raise ValueError(f"epoch {epoch} is outside the {total_epochs} co-teaching epochs")
-    if method == "sps":
+    if target == "sps":
         return Phase(
             noisy=_joined(epoch, total_epochs, sps_noisy_start),
             quasi_clean=_joined(epoch, total_epochs, sps_quasi_start),
         )
-    noisy = _joined(epoch, total_epochs, bicro_noisy_start) if method == "bicro" else True
+    noisy = _joined(epoch, total_epochs, bicro_noisy_start) if target == "bicro" else True
     return Phase(noisy=noisy, quasi_clean=True)
 
 
@@ -82,7 +83,7 @@ class TrainingTargets:
 
 
 def training_targets(
-    method: str,
+    target: str,
     phase: Phase,
     subset: np.ndarray,
     soft_label: np.ndarray,
@@ -91,7 +92,7 @@ def training_targets(
     """Training targets of N label-table rows.
 
     Args:
-        method: one of TARGET_METHODS (the label table's method, or "weights").
+        target: one of TRAINING_TARGETS (the label method's `training_target`).
         phase: from `coteach_phase`.
         subset: (N,) int codes CLEAN / QUASI_CLEAN / NOISY (pipeline.core.partition).
         soft_label: (N,) float labels in [0, 1]; NaN counts as 0.
@@ -100,8 +101,8 @@ def training_targets(
     Returns:
         TrainingTargets with float32 weights clipped to [0, 1].
     """
-    if method not in TARGET_METHODS:
-        raise ValueError(f"method must be one of {TARGET_METHODS}, got {method!r}")
+    if target not in TRAINING_TARGETS:
+        raise ValueError(f"target must be one of {TRAINING_TARGETS}, got {target!r}")
     subset = np.asarray(subset)
     label = np.clip(np.nan_to_num(np.asarray(soft_label, dtype=np.float32), nan=0.0), 0.0, 1.0)
     n = label.shape[0]
@@ -110,9 +111,9 @@ def training_targets(
     reliable = np.zeros(n, dtype=bool)
     use_proxy = np.zeros(n, dtype=bool)
     weight = label.copy()
-    if method == "bicro" and not phase.noisy:
+    if target == "bicro" and not phase.noisy:
         weight[subset == NOISY] = 0.0
-    elif method == "sps":
+    elif target == "sps":
         reliable = subset == CLEAN
         weight = np.where(reliable, 1.0, 0.0).astype(np.float32)
         if phase.quasi_clean:

@@ -37,6 +37,7 @@ __all__ = [
     "canonical_topk",
     "exact_scores",
     "exact_topk_torch",
+    "is_gpu_index",
     "merge_topk",
     "rescore",
     "resolve_ngpu",
@@ -148,15 +149,15 @@ def train_index(
 def set_nprobe(index, nprobe: int) -> None:
     """Set the number of IVF lists probed per query on a CPU or GPU index (no-op for Flat)."""
     lib = _require_faiss()
-    if lib.try_extract_index_ivf(index) is None and not _is_gpu_index(index):
+    if lib.try_extract_index_ivf(index) is None and not is_gpu_index(index):
         return
     # GpuParameterSpace also knows the GPU index classes; ParameterSpace recurses through
     # IndexIDMap, IndexShards and IndexReplicas wrappers.
-    space = lib.GpuParameterSpace() if _is_gpu_index(index) else lib.ParameterSpace()
+    space = lib.GpuParameterSpace() if is_gpu_index(index) else lib.ParameterSpace()
     space.set_index_parameter(index, "nprobe", float(nprobe))
 
 
-def _is_gpu_index(index) -> bool:
+def is_gpu_index(index) -> bool:
     lib = _require_faiss()
     if not hasattr(lib, "GpuIndex"):
         return False
@@ -167,7 +168,7 @@ def _is_gpu_index(index) -> bool:
         child = getattr(inner, "index", None)
         if child is None:
             # IndexReplicas/IndexShards hold their children in `at(i)`.
-            return hasattr(inner, "count") and inner.count() > 0 and _is_gpu_index(inner.at(0))
+            return hasattr(inner, "count") and inner.count() > 0 and is_gpu_index(inner.at(0))
         inner = lib.downcast_index(child)
 
 
@@ -426,7 +427,7 @@ class IndexShard:
         self.k_factor = k_factor
         # float32 dot products of unit vectors err by at most ~d * 2^-24; keep a 2x margin.
         self.tol = tol if tol is not None else max(1e-5, 2.0 * index.d * 2.0**-24)
-        self._max_k = _GPU_MAX_K if _is_gpu_index(index) else None
+        self._max_k = _GPU_MAX_K if is_gpu_index(index) else None
 
     @classmethod
     def build(

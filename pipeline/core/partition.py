@@ -1,242 +1,294 @@
-"""Partitions of a corpus from clean probabilities (METHODS §1.6, §2.5, §4.3, §5.3): pure numpy.
+"""Partitions of the corpus from clean posteriors, decided globally and applied per shard.
+
+Pure module: numpy only (docs/methods.md §3).
 
 Contract:
-- Inputs are per-sample arrays of one batch or of the whole corpus, aligned by position; the
-  position is the sample index used to break ties, so results are deterministic.
-- A NaN probability (its loss was NaN/inf and was recorded upstream) is never clean, never an
-  anchor and never a candidate; it counts in `n_invalid`. The fallback rules below look at the
-  finite probabilities only, so one bad sample cannot switch them off.
-- Every fallback that fires is reported in the returned `PartitionFlags`, never silently:
-  * 1 % rule [C]: if every probability exceeds the threshold, the threshold becomes the value at
-    sorted position floor(N/100), so about 1 % of the samples turn noisy (more on ties: with all
-    probabilities equal, all of them);
-  * symmetric guard [I]: if then no sample is clean, the lowest-loss max(1, floor(N/100))
-    samples are made clean (highest probability instead when no losses are given).
-- `split_clean` (BiCro clean set), `select_anchors` (BiCro anchors), `split_sps` (SPS reliable /
-  quasi-clean / noisy) and `rcr_candidates` (RCR's set C) are the whole public surface.
+- A label pass sees the corpus one shard at a time. Each shard reduces its rows to counts
+  (`partition_counts`); a method's `decide` function turns the summed counts, plus a few order
+  statistics found with `pipeline.core.select.radix_select`, into one `PartitionDecisions`; every
+  shard then applies it to its own rows (`shard_masks`). The decisions are a handful of numbers,
+  so the partition of a shard depends on the corpus, never on how it was sharded.
+- Fallbacks (docs/methods.md §3.2), reported in the partition summary, never silent:
+  * 1 % rule: when every finite posterior exceeds the threshold, the threshold becomes the value
+    at sorted position floor(N/100), so about 1 % of the pairs turn noisy;
+  * symmetric guard: when nothing is then selected, the max(1, floor(N/100)) lowest-loss valid
+    pairs (RCR: largest min(alpha_i2t, alpha_t2i)) are, ties by sample id.
+- A NaN/inf posterior (its loss was not finite) is never clean, never an anchor, never in C.
+- `Select` is how decisions ask for order statistics: `select(what, k, in_play, decisions,
+  with_id)` ranks the rows named by `what` (see `selection_rows`) over every shard.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
+from pipeline.core.select import Cut, at_or_below, key_value, order_keys
+
 __all__ = [
-    "SUBSETS",
     "CLEAN",
-    "QUASI_CLEAN",
     "NOISY",
-    "PartitionFlags",
-    "split_clean",
-    "select_anchors",
-    "split_sps",
-    "rcr_candidates",
+    "QUASI_CLEAN",
+    "SUBSETS",
+    "PartitionDecisions",
+    "Select",
+    "ShardMasks",
+    "ShardScalars",
+    "decide_anchors",
+    "decide_clean_split",
+    "decide_rcr_candidates",
+    "decide_sps_split",
+    "partition_counts",
+    "selection_rows",
+    "shard_masks",
 ]
 
-SUBSETS = ("clean", "quasi_clean", "noisy")  # names of split_sps codes; SPS "reliable" is clean
-CLEAN, QUASI_CLEAN, NOISY = 0, 1, 2  # int8 codes, indices into SUBSETS
+SUBSETS = ("clean", "quasi_clean", "noisy")  # subset names by int8 code; SPS "reliable" = clean
+CLEAN, QUASI_CLEAN, NOISY = 0, 1, 2
+
+
+@dataclass
+class ShardScalars:
+    """Per-pair scalars of one shard that every partition step needs (no embeddings)."""
+
+    ids: np.ndarray  # (N,) int64 global sample ids (tie-breaks everywhere)
+    loss: np.ndarray  # (N,) float32 the loss the mixture was fitted on
+    loss_i2t: np.ndarray  # (N,) float32 per-direction InfoNCE of the partitioning model
+    loss_t2i: np.ndarray  # (N,) float32
+    prob: np.ndarray | None = None  # (N,) float32 clean posterior of the configured mixture
+    alpha_i2t: np.ndarray | None = None  # (N,) float32 RCR: per-direction GMM posteriors
+    alpha_t2i: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
-class PartitionFlags:
-    """What a partition did, for metrics.json."""
+class PartitionDecisions:
+    """The corpus-wide decisions every shard applies (plain data: a few numbers)."""
 
-    threshold: float  # the threshold finally applied (changed by the 1 % rule)
-    one_percent_rule: bool  # every finite probability exceeded the threshold
-    symmetric_guard: bool  # nothing was clean/selected, so the lowest-loss 1 % were taken
-    n_selected: int  # samples in the clean set (split_clean) / C (rcr) / not noisy (sps)
-    n_invalid: int  # NaN/inf probabilities, never selected
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain dict for JSON."""
-        return asdict(self)
+    threshold: float  # clean iff posterior > threshold (after the 1 % rule)
+    guard_cut: Cut | None = None  # symmetric guard: clean iff valid (loss key, id) <= cut
+    anchor_cut: Cut | None = None  # BiCro anchors: clean (loss key, id) <= cut
+    sps_eps1: float | None = None  # SPS: reliable iff posterior > eps1
+    sps_eps2: float | None = None  # SPS: noisy iff posterior <= eps2 (after the 1 % rule)
+    rcr_delta: float | None = None  # RCR: C iff both direction posteriors > delta
+    rcr_guard_cut: Cut | None = None  # RCR guard: valid (-min alpha, id) <= cut
 
 
-def _as_prob(prob: np.ndarray, name: str = "prob") -> np.ndarray:
-    values = np.asarray(prob, dtype=np.float64)
-    if values.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D array of per-sample values, got {values.shape}")
-    return values
+@dataclass
+class ShardMasks:
+    """One shard's partition under the decisions."""
+
+    valid: np.ndarray  # (N,) bool finite posterior
+    clean: np.ndarray  # (N,) bool clean split
+    anchor: np.ndarray  # (N,) bool BiCro anchors (in-batch anchors are set by the method)
+    sps: np.ndarray | None = None  # (N,) int8 CLEAN (reliable) / QUASI_CLEAN / NOISY
+    in_c: np.ndarray | None = None  # (N,) bool RCR's set C
 
 
-def _one_percent_threshold(prob: np.ndarray, valid: np.ndarray) -> float:
-    """The 1 % rule of split_prob: the value at sorted position floor(N/100) of the finite probs."""
-    finite = np.sort(prob[valid])
-    return float(finite[finite.size // 100])
+# select(what, k, in_play, decisions, with_id) -> (value key, id or None, rows <= result)
+Select = Callable[..., tuple[int, int | None, int]]
 
 
-def _lowest_k(score: np.ndarray, valid: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k valid samples with the smallest score; ties by index (stable)."""
-    candidates = np.flatnonzero(valid)
-    order = np.argsort(score[candidates], kind="stable")
-    return candidates[order[:k]]
+def _rcr_valid(scalars: ShardScalars) -> np.ndarray:
+    return np.isfinite(scalars.alpha_i2t) & np.isfinite(scalars.alpha_t2i)
 
 
-def split_clean(
-    prob: np.ndarray, threshold: float = 0.5, losses: np.ndarray | None = None
-) -> tuple[np.ndarray, PartitionFlags]:
-    """BiCro/NCR clean set: prob > threshold (strict), with the 1 % rule and symmetric guard.
-
-    Args:
-        prob: (N,) float clean probabilities (NaN for excluded samples).
-        threshold: delta (BiCro/NCR: 0.5).
-        losses: (N,) float raw losses, used only by the symmetric guard to pick the lowest-loss
-            samples. Without them the guard picks the highest probabilities (ties by index).
+def partition_counts(
+    scalars: ShardScalars,
+    *,
+    threshold: float,
+    sps_eps1: float | None = None,
+    sps_eps2: float | None = None,
+    rcr_delta: float | None = None,
+) -> dict[str, int]:
+    """Counts of one shard behind the decisions; they add across shards.
 
     Returns:
-        clean_mask: (N,) bool.
-        flags: which rules fired, the threshold applied and the counts.
+        rows, valid, above_delta (posterior > threshold); with SPS thresholds above_eps1 and
+        above_eps2; with RCR posteriors and delta rcr_valid and in_c.
     """
-    prob = _as_prob(prob)
+    prob = scalars.prob
     valid = np.isfinite(prob)
-    applied = float(threshold)
-    one_percent = bool(valid.any()) and bool(np.all(prob[valid] > applied))
-    if one_percent:
-        applied = _one_percent_threshold(prob, valid)
     with np.errstate(invalid="ignore"):
-        clean = valid & (prob > applied)
-    guard = bool(valid.any()) and not clean.any()
-    if guard:
-        k = max(1, int(valid.sum()) // 100)
-        if losses is not None:
-            score = np.asarray(losses, dtype=np.float64)
-            if score.shape != prob.shape:
-                raise ValueError(f"losses {score.shape} must match prob {prob.shape}")
-            # A NaN loss sorts last under argsort, so finite losses are always preferred.
-            chosen = _lowest_k(score, valid, k)
+        counts = {
+            "rows": int(prob.size),
+            "valid": int(valid.sum()),
+            "above_delta": int((prob > threshold).sum()),
+        }
+        if sps_eps1 is not None and sps_eps2 is not None:
+            counts["above_eps2"] = int((prob > sps_eps2).sum())
+            counts["above_eps1"] = int((prob > sps_eps1).sum())
+        if scalars.alpha_i2t is not None and rcr_delta is not None:
+            a, b = scalars.alpha_i2t, scalars.alpha_t2i
+            rcr_valid = _rcr_valid(scalars)
+            counts["rcr_valid"] = int(rcr_valid.sum())
+            counts["in_c"] = int((rcr_valid & (a > rcr_delta) & (b > rcr_delta)).sum())
+    return counts
+
+
+def shard_masks(scalars: ShardScalars, decisions: PartitionDecisions) -> ShardMasks:
+    """The partition of one shard from the global decisions."""
+    prob = scalars.prob
+    valid = np.isfinite(prob)
+    loss_keys = order_keys(np.where(valid, scalars.loss, 0.0))
+    with np.errstate(invalid="ignore"):
+        if decisions.guard_cut is None:
+            clean = valid & (prob > decisions.threshold)
         else:
-            chosen = _lowest_k(-prob, valid, k)
-        clean[chosen] = True
-    flags = PartitionFlags(
-        threshold=applied,
-        one_percent_rule=one_percent,
-        symmetric_guard=guard,
-        n_selected=int(clean.sum()),
-        n_invalid=int((~valid).sum()),
-    )
-    return clean, flags
+            clean = valid & at_or_below(loss_keys, scalars.ids, decisions.guard_cut)
+        anchor = np.zeros_like(clean)
+        if decisions.anchor_cut is not None:
+            anchor = clean & at_or_below(loss_keys, scalars.ids, decisions.anchor_cut)
+        masks = ShardMasks(valid=valid, clean=clean, anchor=anchor)
+        if decisions.sps_eps2 is not None:
+            codes = np.full(prob.shape, NOISY, dtype=np.int8)
+            kept = valid & (prob > decisions.sps_eps2)
+            codes[kept] = QUASI_CLEAN
+            codes[kept & (prob > decisions.sps_eps1)] = CLEAN
+            masks.sps = codes
+    if decisions.rcr_delta is not None and scalars.alpha_i2t is not None:
+        a, b = scalars.alpha_i2t, scalars.alpha_t2i
+        rcr_valid = _rcr_valid(scalars)
+        if decisions.rcr_guard_cut is None:
+            with np.errstate(invalid="ignore"):
+                delta = decisions.rcr_delta
+                masks.in_c = rcr_valid & (a > delta) & (b > delta)
+        else:
+            keys = order_keys(np.where(rcr_valid, -np.minimum(a, b), 0.0))
+            masks.in_c = rcr_valid & at_or_below(keys, scalars.ids, decisions.rcr_guard_cut)
+    return masks
 
 
-def select_anchors(
-    clean_mask: np.ndarray, losses: np.ndarray, fraction: float = 0.10
-) -> np.ndarray:
-    """BiCro anchors (§2.5 step 4): the ceil(fraction * |C|) lowest-loss members of the clean set.
+def selection_rows(
+    scalars: ShardScalars, what: str, decisions: PartitionDecisions | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(keys uint64, ids int64) of the rows a selection ranks.
 
-    Args:
-        clean_mask: (N,) bool clean set C (from `split_clean`, non-empty).
-        losses: (N,) float per-sample losses; members with a NaN/inf loss are skipped.
-        fraction: rho in (0, 1] (BiCro: 0.10).
+    `what`: "prob" (valid posteriors), "loss_valid" (losses of valid rows), "loss_clean"
+    (losses of the clean split under `decisions`), "rcr_guard" (-min(alpha_i2t, alpha_t2i)).
+    """
+    valid = np.isfinite(scalars.prob)
+    if what == "prob":
+        return order_keys(scalars.prob[valid]), scalars.ids[valid]
+    if what == "loss_valid":
+        return order_keys(scalars.loss[valid]), scalars.ids[valid]
+    if what == "loss_clean":
+        clean = shard_masks(scalars, decisions).clean
+        return order_keys(scalars.loss[clean]), scalars.ids[clean]
+    if what == "rcr_guard":
+        rcr_valid = _rcr_valid(scalars)
+        return order_keys(-np.minimum(scalars.alpha_i2t, scalars.alpha_t2i)[rcr_valid]), (
+            scalars.ids[rcr_valid]
+        )
+    raise ValueError(f"unknown selection {what!r}")
+
+
+def _one_percent_threshold(select: Select, valid: int) -> tuple[float, int]:
+    """The value at sorted position floor(N/100) of the valid posteriors, and how many rows
+    are at or below it (they turn noisy)."""
+    key, _, n_le = select("prob", valid // 100 + 1, valid, None, False)
+    return key_value(key), n_le
+
+
+def decide_clean_split(
+    count: dict[str, int], select: Select, *, threshold: float
+) -> tuple[float, Cut | None, int, dict[str, Any]]:
+    """The clean split (posterior > threshold) with the 1 % rule and the symmetric guard.
 
     Returns:
-        (A,) int64 sample indices in increasing order, 1 <= A <= |C|; among equal losses the
-        smaller index wins.
+        (threshold applied, guard cut or None, clean pairs, report for the summary).
+    """
+    valid = count["valid"]
+    n_clean = count["above_delta"]
+    guard_cut = None
+    one_percent = valid > 0 and n_clean == valid
+    if one_percent:
+        threshold, n_le = _one_percent_threshold(select, valid)
+        n_clean = valid - n_le
+    guard = valid > 0 and n_clean == 0
+    if guard:
+        k = max(1, valid // 100)
+        key, sample, _ = select("loss_valid", k, valid, None, True)
+        guard_cut, n_clean = (key, sample), k
+    report = {
+        "threshold": threshold,
+        "one_percent_rule": bool(one_percent),
+        "symmetric_guard": bool(guard),
+        "n_selected": int(n_clean),
+        "n_invalid": int(count["rows"] - valid),
+    }
+    return threshold, guard_cut, n_clean, report
 
-    Raises:
-        ValueError: bad fraction, mismatched shapes, or an empty clean set.
+
+def decide_anchors(
+    select: Select, n_clean: int, interim: PartitionDecisions, *, fraction: float
+) -> tuple[Cut, dict[str, Any]]:
+    """BiCro's anchors: the ceil(fraction x |clean|) lowest-loss clean pairs, ties by id.
+
+    Exact decimal arithmetic: 0.1 x 30 is 3.0000000000000004 in floats and would ceil to 4.
     """
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"anchor fraction must be in (0, 1], got {fraction}")
-    mask = np.asarray(clean_mask, dtype=bool)
-    values = np.asarray(losses, dtype=np.float64)
-    if mask.shape != values.shape or mask.ndim != 1:
-        raise ValueError(f"clean_mask {mask.shape} and losses {values.shape} must be equal 1-D")
-    members = mask & np.isfinite(values)
-    size = int(members.sum())
-    if size == 0:
-        raise ValueError(
-            "the clean set is empty (or all its losses are NaN/inf); build it with split_clean, "
-            "whose symmetric guard keeps at least one sample clean"
-        )
-    # Exact decimal arithmetic: 0.1 * 30 is 3.0000000000000004 in floats and would ceil to 4.
-    k = max(1, math.ceil(Fraction(repr(float(fraction))) * size))
-    return np.sort(_lowest_k(values, members, k)).astype(np.int64)
+    k = max(1, math.ceil(Fraction(repr(float(fraction))) * n_clean))
+    key, sample, _ = select("loss_clean", k, n_clean, interim, True)
+    return (key, sample), {"n_anchors": k, "fraction": fraction}
 
 
-def split_sps(
-    prob: np.ndarray, eps1: float = 0.99, eps2: float = 0.5
-) -> tuple[np.ndarray, PartitionFlags]:
-    """SPS partition (§4.3): reliable prob > eps1, quasi-clean eps2 < prob <= eps1, noisy else.
-
-    The 1 % rule of `split_clean` is applied at eps2 (as the released code does); no symmetric
-    guard (an empty reliable set only means no proxies, which the label stage flags).
-
-    Args:
-        prob: (N,) float clean probabilities from the peer's GMM (NaN -> noisy).
-        eps1: reliable threshold (paper: 0.99; released code: 0.6).
-        eps2: noisy threshold (0.5).
+def decide_sps_split(
+    count: dict[str, int], select: Select, *, eps1: float, eps2: float
+) -> tuple[float, dict[str, Any]]:
+    """SPS: reliable > eps1 >= quasi-clean > eps2 >= noisy; the 1 % rule applies at eps2 (as the
+    released code), no guard (an empty reliable set only means no proxies).
 
     Returns:
-        codes: (N,) int8 indices into SUBSETS (CLEAN = reliable, QUASI_CLEAN, NOISY).
-        flags: `n_selected` counts reliable + quasi-clean; `threshold` is the eps2 applied.
-
-    Raises:
-        ValueError: if eps1 <= eps2, naming the value to change.
+        (eps2 applied, report).
     """
     if not eps1 > eps2:
-        raise ValueError(
-            f"SPS thresholds need eps1 > eps2, got eps1 = {eps1} (reliable) and eps2 = {eps2} "
-            f"(noisy): raise eps1 above {eps2} or lower eps2 below {eps1}"
-        )
-    prob = _as_prob(prob)
-    valid = np.isfinite(prob)
-    applied = float(eps2)
-    one_percent = bool(valid.any()) and bool(np.all(prob[valid] > applied))
+        raise ValueError(f"SPS needs eps1 > eps2, got eps1={eps1} and eps2={eps2}")
+    valid = count["valid"]
+    kept = count["above_eps2"]
+    one_percent = valid > 0 and kept == valid
     if one_percent:
-        applied = _one_percent_threshold(prob, valid)
-    codes = np.full(prob.shape, NOISY, dtype=np.int8)
-    with np.errstate(invalid="ignore"):
-        kept = valid & (prob > applied)
-        codes[kept] = QUASI_CLEAN
-        codes[kept & (prob > eps1)] = CLEAN
-    flags = PartitionFlags(
-        threshold=applied,
-        one_percent_rule=one_percent,
-        symmetric_guard=False,
-        n_selected=int(kept.sum()),
-        n_invalid=int((~valid).sum()),
-    )
-    return codes, flags
+        eps2, n_le = _one_percent_threshold(select, valid)
+        kept = valid - n_le
+    report = {
+        "threshold": eps2,
+        "eps1": eps1,
+        "one_percent_rule": bool(one_percent),
+        "symmetric_guard": False,
+        "n_selected": int(kept),
+        "n_invalid": int(count["rows"] - valid),
+        "n_reliable": int(count["above_eps1"]),
+        "no_reliable_set": count["above_eps1"] == 0,  # no proxies: every noisy label is 0
+    }
+    return eps2, report
 
 
-def rcr_candidates(
-    alpha_i2t: np.ndarray, alpha_t2i: np.ndarray, delta: float = 0.5
-) -> tuple[np.ndarray, PartitionFlags]:
-    """RCR's training set C (§5.3, Eq. 8): both directions' clean posteriors > delta.
-
-    Fallback [I], in the spirit of §1.6: if C is empty, the max(1, floor(N/100)) pairs with the
-    largest min(alpha_i2t, alpha_t2i) (ties by index) form C, so training never sees an empty
-    set, and `symmetric_guard` is set. The upper 1 % rule is not applied: RCR re-weights C and
-    has no noisy branch that needs populating.
-
-    Args:
-        alpha_i2t: (N,) float clean posterior of the image->text GMM.
-        alpha_t2i: (N,) float clean posterior of the text->image GMM.
-        delta: threshold (RCR grid {0.5, 0.9}).
+def decide_rcr_candidates(
+    count: dict[str, int], select: Select, *, delta: float
+) -> tuple[Cut | None, dict[str, Any]]:
+    """RCR's set C: both directions' posteriors > delta; if empty, the max(1, floor(N/100))
+    pairs with the largest min posterior (no 1 % rule: RCR has no noisy branch to populate).
 
     Returns:
-        in_c: (N,) bool membership of C.
-        flags: the fallback and the counts (`n_invalid`: a NaN in either direction).
+        (guard cut or None, report).
     """
-    a = _as_prob(alpha_i2t, "alpha_i2t")
-    b = _as_prob(alpha_t2i, "alpha_t2i")
-    if a.shape != b.shape:
-        raise ValueError(f"alpha_i2t {a.shape} and alpha_t2i {b.shape} must have equal shapes")
-    valid = np.isfinite(a) & np.isfinite(b)
-    with np.errstate(invalid="ignore"):
-        in_c = valid & (a > delta) & (b > delta)
-    guard = bool(valid.any()) and not in_c.any()
+    rcr_valid, in_c = count["rcr_valid"], count["in_c"]
+    cut = None
+    guard = rcr_valid > 0 and in_c == 0
     if guard:
-        k = max(1, int(valid.sum()) // 100)
-        in_c[_lowest_k(-np.minimum(a, b), valid, k)] = True
-    flags = PartitionFlags(
-        threshold=float(delta),
-        one_percent_rule=False,
-        symmetric_guard=guard,
-        n_selected=int(in_c.sum()),
-        n_invalid=int((~valid).sum()),
-    )
-    return in_c, flags
+        k = max(1, rcr_valid // 100)
+        key, sample, _ = select("rcr_guard", k, rcr_valid, None, True)
+        cut, in_c = (key, sample), k
+    report = {
+        "threshold": delta,
+        "one_percent_rule": False,
+        "symmetric_guard": bool(guard),
+        "n_selected": int(in_c),
+        "n_invalid": int(count["rows"] - rcr_valid),
+    }
+    return cut, report

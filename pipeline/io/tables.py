@@ -15,12 +15,16 @@ import uuid
 from collections.abc import Mapping, Sequence
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 __all__ = [
     "QUARANTINE_SCHEMA",
+    "embedding_matrix",
     "embedding_schema",
+    "read_schema",
+    "read_table",
     "write_table_atomic",
     "read_json",
     "write_json_atomic",
@@ -129,3 +133,27 @@ def read_json(path: str) -> dict | None:
         return None
     with fs.open(fs_path, "r") as handle:
         return json.load(handle)
+
+
+def read_table(path: str, columns: list[str] | None = None) -> pa.Table:
+    """A Parquet file (local or fsspec URL), optionally only `columns`."""
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    return pq.read_table(fs_path, columns=columns, filesystem=fs)
+
+
+def read_schema(path: str) -> pa.Schema:
+    """A Parquet file's schema with its key/value metadata (reads the footer only)."""
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    with fs.open(fs_path, "rb") as handle:
+        return pq.read_schema(handle)
+
+
+def embedding_matrix(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """(N, D) float32 rows of a fixed_size_list column, L2-renormalised after fp16 storage."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    dim = array.type.list_size
+    flat = array.flatten().to_numpy(zero_copy_only=False)
+    rows = flat.astype(np.float32).reshape(-1, dim)  # (N, D)
+    norms = np.linalg.norm(rows, axis=1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(norms > 0, rows / norms, rows).astype(np.float32)

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from pipeline.io.ground_truth import quality_arrays, quality_from_parts
 from pipeline.io.labels import LABELS_SCHEMA, SUBSET_VALUES
 from pipeline.io.tables import read_json, write_json_atomic, write_table_atomic
-from pipeline.stages.labels import quality_arrays, quality_from_parts
 
 __all__ = ["ORACLE_SCHEMA", "publish_labels", "write_oracle_labels", "LabelViewMismatchError"]
 

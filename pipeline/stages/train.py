@@ -260,7 +260,7 @@ def epoch_phase(spec: TrainSpec, view: ViewSpec, epoch: int) -> Phase:
         bicro_noisy_start=spec.bicro_noisy_start,
         sps_quasi_start=spec.sps_quasi_start,
         sps_noisy_start=spec.sps_noisy_start,
-        method=view.method,
+        target=view.method,
     )
 
 

@@ -1,0 +1,100 @@
+"""The label methods and their registry (docs/methods.md §4, "Adding a method").
+
+`LABEL_METHODS` maps a method name (the job's `labels.method`) to its `LabelMethod`: how it
+partitions the corpus, which index it searches, how it labels a shard, which table columns it
+fills and how a trainer consumes its labels. The label stage and the trainer only ever go
+through this dict, so a new method is one module plus one entry here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.core.labels import bicro, cosine, rcr, sps
+from pipeline.core.labels.base import (
+    INDEX_ROLES,
+    IndexRole,
+    LabelMethod,
+    ShardInputs,
+    ShardLabels,
+)
+from pipeline.core.neighbours import NeighbourSearch
+from pipeline.core.partition import NOISY
+
+__all__ = [
+    "INDEX_ROLES",
+    "LABEL_METHODS",
+    "SCORE_COLUMNS",
+    "IndexRole",
+    "LabelMethod",
+    "ShardInputs",
+    "ShardLabels",
+    "get_method",
+    "label_shard",
+]
+
+LABEL_METHODS: dict[str, LabelMethod] = {
+    "bicro": LabelMethod(
+        name="bicro",
+        decide=bicro.decide,
+        index_role=bicro.index_role,
+        label_shard=bicro.label_shard,
+        score_columns=("bicro",),
+        training_target="bicro",
+        quality_scores=bicro.quality_scores,
+    ),
+    "rcr": LabelMethod(
+        name="rcr",
+        decide=rcr.decide,
+        index_role=rcr.index_role,
+        label_shard=rcr.label_shard,
+        score_columns=("rcr",),
+        training_target="weights",
+        direction_posteriors=True,
+        quality_scores=rcr.quality_scores,
+    ),
+    "sps": LabelMethod(
+        name="sps",
+        decide=sps.decide,
+        index_role=sps.index_role,
+        label_shard=sps.label_shard,
+        score_columns=("sps",),
+        training_target="sps",
+        uses_trainee_view=True,
+        proxy_table=True,
+    ),
+    "cosine": LabelMethod(
+        name="cosine",
+        decide=cosine.decide,
+        index_role=cosine.index_role,
+        label_shard=cosine.label_shard,
+        score_columns=(),
+        training_target="weights",
+    ),
+}
+
+# Every method's score columns, in registry order (the label table's nullable score columns).
+SCORE_COLUMNS = tuple(c for method in LABEL_METHODS.values() for c in method.score_columns)
+
+
+def get_method(name: str) -> LabelMethod:
+    """The registry entry of `name`, or a ValueError listing the known methods."""
+    try:
+        return LABEL_METHODS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown label method {name!r}; choose one of {sorted(LABEL_METHODS)}"
+        ) from None
+
+
+def label_shard(
+    method: LabelMethod, inputs: ShardInputs, neighbours: NeighbourSearch | None, params
+) -> ShardLabels:
+    """`method`'s labels of one shard with the rules every method shares: rows whose loss is
+    not finite (no posterior) are noisy with label 0; labels are clipped to [0, 1] float32."""
+    labels = method.label_shard(inputs, neighbours, params)
+    valid = inputs.masks.valid
+    soft = np.where(valid, np.nan_to_num(labels.soft_label, nan=0.0), 0.0)
+    labels.soft_label = np.clip(soft, 0.0, 1.0).astype(np.float32)
+    labels.subset = np.where(valid, labels.subset, NOISY).astype(np.int8)
+    return labels

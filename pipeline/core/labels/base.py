@@ -1,0 +1,101 @@
+"""What every label method is made of: the shapes its functions exchange (docs/methods.md §4).
+
+Pure module. A method is a `LabelMethod` entry in `pipeline.core.labels.LABEL_METHODS`:
+- `decide(count, select, threshold, params)`: the corpus-wide `PartitionDecisions` from summed
+  `partition_counts` and order statistics (`pipeline.core.partition`);
+- `index_role(params)`: which rows its neighbour searches run over (an `IndexRole`), or None;
+- `label_shard(inputs, neighbours, params)`: the labels of one shard (`ShardLabels`);
+- `score_columns`: the label-table columns it fills besides soft_label and subset;
+- `training_target`: how a trainer turns its rows into weights (`pipeline.core.coteach`);
+- `quality_scores(inputs, labels, cosine)`: extra scores evaluated against ground truth.
+`params` is the method's settings object (the job's `labels.<method>` section: any object with
+the attributes the method reads), so the core never imports the config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pipeline.core.neighbours import NeighbourSearch
+from pipeline.core.partition import (
+    CLEAN,
+    PartitionDecisions,
+    Select,
+    ShardMasks,
+    ShardScalars,
+)
+
+__all__ = ["INDEX_ROLES", "IndexRole", "LabelMethod", "ShardInputs", "ShardLabels"]
+
+
+@dataclass(frozen=True)
+class IndexRole:
+    """The rows a method's index holds and the fields stored with them."""
+
+    name: str  # "anchors" | "reliable" | "all": names the persisted index files
+    rows: Callable[[ShardMasks], np.ndarray]  # (N,) bool rows of a shard to index
+    fields: tuple[str, ...]  # stored per row besides u, v (see neighbours.ROW_FIELDS)
+
+
+INDEX_ROLES = {
+    "anchors": IndexRole("anchors", lambda masks: masks.anchor, ("keys",)),
+    "reliable": IndexRole("reliable", lambda masks: masks.sps == CLEAN, ("keys", "captions")),
+    "all": IndexRole("all", lambda masks: np.ones_like(masks.valid), ("groups",)),
+}
+
+
+@dataclass
+class ShardInputs:
+    """One shard as a label method sees it."""
+
+    scalars: ShardScalars  # ids, the mixture's loss, posteriors (the partitioning view)
+    masks: ShardMasks  # the shard's partition under the global decisions
+    u: np.ndarray  # (N, D) float32 L2-normalised image embeddings of the labelling model
+    v: np.ndarray  # (N, D) float32 text embeddings of the labelling model
+    loss_i2t: np.ndarray  # (N,) float32 the labelling model's InfoNCE image->text
+    loss_t2i: np.ndarray  # (N,) float32
+    seed: int = 0  # the shard's seed (in-batch anchors, P^ batches)
+    logit_scale: float = 1 / 0.07  # the labelling model's 1/tau
+    image_dedup: bool = False  # RCR: the index stores an image group per row
+    query_batch: int = 1024  # queries per neighbour search
+
+    @property
+    def finite(self) -> np.ndarray:
+        """(N,) bool rows whose embeddings are finite (only those are indexed or queried)."""
+        return np.isfinite(self.u).all(axis=1) & np.isfinite(self.v).all(axis=1)
+
+
+@dataclass
+class ShardLabels:
+    """A method's output for one shard, aligned with its rows."""
+
+    soft_label: np.ndarray  # (N,) float32 in [0, 1]
+    subset: np.ndarray  # (N,) int8 CLEAN / QUASI_CLEAN / NOISY
+    scores: dict[str, np.ndarray] = field(default_factory=dict)  # score columns, (N,) float32
+    image_anchor_key: np.ndarray | None = None  # (N,) object keys (BiCro anchors, SPS proxies)
+    text_anchor_key: np.ndarray | None = None
+    proxies: dict[str, np.ndarray] | None = None  # SPS proxy pairs (rows + columns)
+
+
+def no_quality_scores(inputs: ShardInputs, labels: ShardLabels, cosine: np.ndarray):
+    return {}, {}
+
+
+@dataclass(frozen=True)
+class LabelMethod:
+    """One registry entry (see the module docstring)."""
+
+    name: str
+    decide: Callable[[dict[str, int], Select, float, Any], tuple[PartitionDecisions, dict]]
+    index_role: Callable[[Any], IndexRole | None]
+    label_shard: Callable[[ShardInputs, NeighbourSearch | None, Any], ShardLabels]
+    score_columns: tuple[str, ...]
+    training_target: str  # a key of pipeline.core.coteach.TRAINING_TARGETS
+    direction_posteriors: bool = False  # needs a GMM per InfoNCE direction (RCR)
+    uses_trainee_view: bool = False  # labels from the trainee's embeddings (SPS)
+    proxy_table: bool = False  # writes a proxies table beside the labels (SPS)
+    quality_scores: Callable[..., tuple[dict, dict]] = no_quality_scores

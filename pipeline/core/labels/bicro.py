@@ -1,0 +1,340 @@
+"""BiCro: bidirectional cross-modal similarity consistency against clean anchors.
+
+Pure module: numpy, plus a `NeighbourSearch` for the global anchors (docs/methods.md §5).
+
+Contract:
+- Partition: the clean split of the configured mixture (1 % rule, symmetric guard); with
+  global anchors, the ceil(rho x |clean|) lowest-loss clean pairs are the anchors (ties by id).
+- Labels: anchors 1; every other pair compares its similarity to its nearest anchor (by image,
+  then by text) across modalities: c = (fold(A, B) + fold(A', B')) / 2; clean non-anchors get
+  clean_floor + (1 - clean_floor) c, noisy pairs c; BiCro* sets labels <= theta to 0.
+  `soft_label` is BiCro*, the `bicro` column the raw label, the anchor-key columns name the
+  anchors a* (by image) and b* (by text).
+- `anchors: in_batch` reproduces the released per-batch anchors within each shard (no index).
+- Outputs are aligned with the input rows: permuting the rows permutes the labels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.core.labels.arrays import check_rows as _check_rows
+from pipeline.core.labels.arrays import rowdot as _rowdot
+from pipeline.core.labels.base import INDEX_ROLES, IndexRole, ShardInputs, ShardLabels
+from pipeline.core.neighbours import NeighbourSearch, neighbour_rows, top1
+from pipeline.core.partition import (
+    CLEAN,
+    NOISY,
+    PartitionDecisions,
+    Select,
+    decide_anchors,
+    decide_clean_split,
+)
+
+__all__ = [
+    "bicro_in_batch_anchors",
+    "bicro_labels",
+    "decide",
+    "fold",
+    "index_role",
+    "label_shard",
+    "quality_scores",
+]
+
+# Distances below this are floored (BiCro's Euclidean path clamps d^2 at 1e-4).
+_MIN_DISTANCE = 1e-2
+
+
+def fold(a, b, eps: float = 1e-6) -> np.ndarray:
+    """BiCro's consistency fold (METHODS §2.5 step 6), elementwise.
+
+    fold(A, B) = 0 if min(A, B) <= eps, else min(A, B) / max(A, B). Unlike the reference
+    (`SIM_SELE`), two negative inputs give 0, not a positive ratio, and 0/0 cannot occur.
+
+    Args:
+        a, b: broadcastable float arrays (similarities or distances).
+        eps: the floor below which a side counts as "no evidence".
+
+    Returns:
+        float64 array in [0, 1] (NaN where an input is NaN), symmetric in (a, b).
+    """
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    low, high = np.minimum(a, b), np.maximum(a, b)  # NaN propagates through both
+    positive = low > eps
+    ratio = np.divide(low, high, out=np.zeros(np.broadcast(low, high).shape), where=positive)
+    return np.where(np.isnan(low), np.nan, ratio)
+
+
+def _ratio(first: np.ndarray, second: np.ndarray, mode: str, eps: float) -> np.ndarray:
+    """fold of two similarities (mode "similarity") or of their chord distances ("distance")."""
+    if mode == "similarity":
+        return fold(first, second, eps)
+    if mode == "distance":
+        # ||x - y|| for unit vectors, floored as the reference's Euclidean path (d >= 0.01).
+        d_first = np.maximum(np.sqrt(np.maximum(2.0 - 2.0 * first, 0.0)), _MIN_DISTANCE)
+        d_second = np.maximum(np.sqrt(np.maximum(2.0 - 2.0 * second, 0.0)), _MIN_DISTANCE)
+        d_first = np.where(np.isnan(first), np.nan, d_first)
+        d_second = np.where(np.isnan(second), np.nan, d_second)
+        return fold(d_first, d_second, eps)
+    raise ValueError(f"ratio must be 'similarity' or 'distance', got {mode!r}")
+
+
+def bicro_labels(
+    u: np.ndarray,
+    v: np.ndarray,
+    anchor_u_nn: np.ndarray,
+    anchor_v_of_u_nn: np.ndarray,
+    anchor_v_nn: np.ndarray,
+    anchor_u_of_v_nn: np.ndarray,
+    is_anchor: np.ndarray,
+    is_clean: np.ndarray,
+    *,
+    clean_floor: float = 0.5,
+    theta: float = 0.5,
+    ratio: str = "similarity",
+    eps: float = 1e-6,
+) -> dict[str, np.ndarray]:
+    """BiCro soft labels of a block of pairs given their nearest anchors (METHODS §2.5 6-8).
+
+    Image side: a* is the anchor whose image is nearest to u_i; A = u_i.u_a*, B = v_i.v_a*.
+    Text side: b* is the anchor whose text is nearest to v_i; A' = v_i.v_b*, B' = u_i.u_b*.
+    r_i2t = fold(A, B), r_t2i = fold(A', B'), c = (r_i2t + r_t2i) / 2. Labels: anchors 1;
+    clean non-anchors clean_floor + (1 - clean_floor) c; noisy c. BiCro*: labels <= theta -> 0.
+    In "distance" mode the fold is applied to D = sqrt(max(2 - 2S, 0)) floored at 1e-2
+    (the literal Eq. 9-11); the nearest anchor is the same (largest S = smallest D).
+
+    Args:
+        u, v: (Q, D) float32 L2-normalised image / text embeddings of the pairs.
+        anchor_u_nn: (Q, D) image embedding of each pair's nearest image-anchor (u_a*).
+        anchor_v_of_u_nn: (Q, D) that anchor's text embedding (v_a*).
+        anchor_v_nn: (Q, D) text embedding of each pair's nearest text-anchor (v_b*).
+        anchor_u_of_v_nn: (Q, D) that anchor's image embedding (u_b*).
+            Rows of anchors are ignored (anchors are not queried; pass anything, e.g. zeros).
+        is_anchor: (Q,) bool, the pair is an anchor.
+        is_clean: (Q,) bool, the pair is in the clean set (anchors are clean).
+        clean_floor: lower end of clean non-anchor labels (0.5 as the code, 1 as the paper).
+        theta: BiCro* threshold.
+        ratio: "similarity" (default, the code) or "distance" (the paper's Eq. 9-11).
+        eps: fold floor.
+
+    Returns:
+        dict of (Q,) float32: "bicro" (raw label), "bicro_star" (in {0} or (theta, 1]),
+        "r_i2t", "r_t2i" (NaN for anchors, which are not queried).
+    """
+    u = np.asarray(u)
+    rows = u.shape[0]
+    v = _check_rows("v", v, rows)
+    is_anchor = _check_rows("is_anchor", np.asarray(is_anchor, dtype=bool), rows)
+    is_clean = _check_rows("is_clean", np.asarray(is_clean, dtype=bool), rows)
+    image_a = _rowdot(u, _check_rows("anchor_u_nn", anchor_u_nn, rows))
+    image_b = _rowdot(v, _check_rows("anchor_v_of_u_nn", anchor_v_of_u_nn, rows))
+    text_a = _rowdot(v, _check_rows("anchor_v_nn", anchor_v_nn, rows))
+    text_b = _rowdot(u, _check_rows("anchor_u_of_v_nn", anchor_u_of_v_nn, rows))
+    r_i2t = _ratio(image_a, image_b, ratio, eps)
+    r_t2i = _ratio(text_a, text_b, ratio, eps)
+    consistency = 0.5 * (r_i2t + r_t2i)
+    label = np.where(is_clean, clean_floor + (1.0 - clean_floor) * consistency, consistency)
+    label = np.where(is_anchor, 1.0, label)
+    # Threshold after the float32 cast, so the published BiCro* is exactly in {0} or (theta, 1].
+    label32 = np.clip(label, 0.0, 1.0).astype(np.float32)
+    star = np.where(label32 <= theta, np.float32(0.0), label32)
+    return {
+        "bicro": label32,
+        "bicro_star": star.astype(np.float32),
+        "r_i2t": np.where(is_anchor, np.nan, r_i2t).astype(np.float32),
+        "r_t2i": np.where(is_anchor, np.nan, r_t2i).astype(np.float32),
+    }
+
+
+def bicro_in_batch_anchors(
+    u: np.ndarray,
+    v: np.ndarray,
+    losses: np.ndarray,
+    is_clean: np.ndarray,
+    *,
+    ids: np.ndarray | None = None,
+    batch_size: int = 128,
+    seed: int = 0,
+    clean_floor: float = 0.5,
+    theta: float = 0.5,
+    ratio: str = "similarity",
+    eps: float = 1e-6,
+) -> dict[str, np.ndarray]:
+    """BiCro's released per-batch anchors (METHODS §2.2 step 4), labels aligned to samples.
+
+    The clean set is shuffled (seeded) into batches of `batch_size` (the last may be short);
+    in each, the floor(b/10) + 1 lowest-loss pairs (ties by id) are the anchors, and every pair
+    of the batch takes its nearest anchor within the batch. Noisy pairs are shuffled into
+    batches too; noisy batch j uses the anchors of clean batch j mod (number of clean batches),
+    as the reference cycles its noisy loader alongside the clean one, except that here every
+    noisy pair is labelled. Labels follow `bicro_labels` with is_clean from the split. Batches
+    are drawn from the samples sorted by id, so permuting the rows permutes the labels.
+    `losses` stand in for the reference's per-batch peer loss.
+
+    Args:
+        u, v: (N, D) float32 L2-normalised image / text embeddings.
+        losses: (N,) float per-sample loss.
+        is_clean: (N,) bool clean set.
+        ids: (N,) int64 sample ids (default row index).
+        batch_size: b (128 in the reference).
+        seed: batch shuffle seed.
+        Other arguments: see `bicro_labels`.
+
+    Returns:
+        `bicro_labels`'s dict plus "is_anchor" (N,) bool (anchor of its own batch).
+
+    Raises:
+        ValueError: no clean pair (nothing to anchor on).
+    """
+    u = np.asarray(u, dtype=np.float32)
+    n = u.shape[0]
+    v = _check_rows("v", np.asarray(v, dtype=np.float32), n)
+    losses = _check_rows("losses", np.asarray(losses, dtype=np.float64), n)
+    is_clean = _check_rows("is_clean", np.asarray(is_clean, dtype=bool), n)
+    ids = np.arange(n, dtype=np.int64) if ids is None else np.asarray(ids, dtype=np.int64)
+    if not is_clean.any():
+        raise ValueError(
+            "in-batch BiCro needs clean pairs to anchor on; apply the partition's fallback "
+            "(METHODS §1.6) first."
+        )
+    rng = np.random.default_rng(seed)
+
+    def batches(mask: np.ndarray) -> list[np.ndarray]:
+        rows = np.flatnonzero(mask)
+        rows = rows[np.argsort(ids[rows], kind="stable")]
+        rows = rows[rng.permutation(rows.size)]
+        return [rows[start : start + batch_size] for start in range(0, rows.size, batch_size)]
+
+    clean_batches = batches(is_clean)
+    noisy_batches = batches(~is_clean)
+    anchors_of = []
+    is_anchor = np.zeros(n, dtype=bool)
+    for batch in clean_batches:
+        count = min(batch.size, batch.size // 10 + 1)
+        anchors = batch[np.lexsort((ids[batch], losses[batch]))[:count]]
+        is_anchor[anchors] = True
+        anchors_of.append(anchors)
+
+    image_nn = np.zeros(n, dtype=np.int64)
+    text_nn = np.zeros(n, dtype=np.int64)
+    jobs = [(batch, anchors_of[j]) for j, batch in enumerate(clean_batches)]
+    jobs += [(batch, anchors_of[j % len(clean_batches)]) for j, batch in enumerate(noisy_batches)]
+    for batch, anchors in jobs:
+        # argmax keeps the first maximum: anchors are ordered by (loss, id), so ties resolve
+        # deterministically and independently of the row order.
+        image_nn[batch] = anchors[np.argmax(u[batch] @ u[anchors].T, axis=1)]  # (b,)
+        text_nn[batch] = anchors[np.argmax(v[batch] @ v[anchors].T, axis=1)]
+    labels = bicro_labels(
+        u,
+        v,
+        u[image_nn],
+        v[image_nn],
+        v[text_nn],
+        u[text_nn],
+        is_anchor,
+        is_clean,
+        clean_floor=clean_floor,
+        theta=theta,
+        ratio=ratio,
+        eps=eps,
+    )
+    labels["is_anchor"] = is_anchor
+    return labels
+
+
+def decide(
+    count: dict[str, int], select: Select, threshold: float, params
+) -> tuple[PartitionDecisions, dict]:
+    """The clean split and, with global anchors, the anchor cut (params: anchors,
+    anchor_fraction)."""
+    threshold, guard_cut, n_clean, report = decide_clean_split(count, select, threshold=threshold)
+    partition = {"clean_split": report}
+    anchor_cut = None
+    if params.anchors == "global" and n_clean > 0:
+        interim = PartitionDecisions(threshold=threshold, guard_cut=guard_cut)
+        anchor_cut, partition["anchors"] = decide_anchors(
+            select, n_clean, interim, fraction=params.anchor_fraction
+        )
+    decisions = PartitionDecisions(threshold=threshold, guard_cut=guard_cut, anchor_cut=anchor_cut)
+    return decisions, partition
+
+
+def index_role(params) -> IndexRole | None:
+    """Global anchors are searched in an index over the anchors; in-batch anchors need none."""
+    return INDEX_ROLES["anchors"] if params.anchors == "global" else None
+
+
+def _global_anchor_labels(inputs: ShardInputs, neighbours: NeighbourSearch, params) -> ShardLabels:
+    u, v, masks = inputs.u, inputs.v, inputs.masks
+    n, dim = u.shape
+    queries = np.flatnonzero(~masks.anchor & inputs.finite)
+    image_nn = np.full(n, -1, dtype=np.int64)
+    text_nn = np.full(n, -1, dtype=np.int64)
+    image_nn[queries] = top1(neighbours, "image", u[queries], inputs.query_batch)
+    text_nn[queries] = top1(neighbours, "text", v[queries], inputs.query_batch)
+    by_image = neighbour_rows(neighbours, image_nn, ("u", "v", "keys"), dim)
+    by_text = neighbour_rows(neighbours, text_nn, ("u", "v", "keys"), dim)
+    labels = bicro_labels(
+        u,
+        v,
+        by_image["u"],
+        by_image["v"],
+        by_text["v"],
+        by_text["u"],
+        masks.anchor,
+        masks.clean,
+        clean_floor=params.clean_floor,
+        theta=params.theta,
+        ratio=params.ratio,
+    )
+    no_anchor = (image_nn < 0) & ~masks.anchor  # empty anchor set: nothing to compare with
+    raw = np.where(no_anchor, 0.0, labels["bicro"]).astype(np.float32)
+    star = np.where(no_anchor, 0.0, labels["bicro_star"]).astype(np.float32)
+    return ShardLabels(
+        soft_label=star,
+        subset=np.where(masks.clean, CLEAN, NOISY).astype(np.int8),
+        scores={"bicro": raw},
+        image_anchor_key=by_image["keys"],
+        text_anchor_key=by_text["keys"],
+    )
+
+
+def _in_batch_labels(inputs: ShardInputs, params) -> ShardLabels:
+    u, v, masks, scalars = inputs.u, inputs.v, inputs.masks, inputs.scalars
+    n = u.shape[0]
+    raw = np.zeros(n, dtype=np.float32)
+    star = np.zeros(n, dtype=np.float32)
+    anchor = np.zeros(n, dtype=bool)
+    if masks.clean.any():
+        labels = bicro_in_batch_anchors(
+            u,
+            v,
+            np.where(masks.valid, scalars.loss, np.inf),
+            masks.clean,
+            ids=scalars.ids,
+            batch_size=params.batch_size,
+            seed=inputs.seed,
+            clean_floor=params.clean_floor,
+            theta=params.theta,
+            ratio=params.ratio,
+        )
+        raw, star, anchor = labels["bicro"], labels["bicro_star"], labels["is_anchor"]
+    masks.anchor = anchor  # the shard's own anchors, counted in the pass summary
+    return ShardLabels(
+        soft_label=np.nan_to_num(star, nan=0.0).astype(np.float32),
+        subset=np.where(masks.clean, CLEAN, NOISY).astype(np.int8),
+        scores={"bicro": np.nan_to_num(raw, nan=0.0).astype(np.float32)},
+    )
+
+
+def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch | None, params) -> ShardLabels:
+    """BiCro labels of one shard (params: the `labels.bicro` settings)."""
+    if params.anchors == "global":
+        return _global_anchor_labels(inputs, neighbours, params)
+    return _in_batch_labels(inputs, params)
+
+
+def quality_scores(inputs: ShardInputs, labels: ShardLabels, cosine: np.ndarray):
+    """The raw label (before the theta cut) as an ablation score."""
+    return {"bicro_raw": labels.scores["bicro"]}, {"bicro_raw": labels.subset == CLEAN}

@@ -1,0 +1,51 @@
+"""The CLIP-score baseline: the pair's own image-text cosine as its label (docs/methods.md §8).
+
+Pure module: numpy. The partition is the clean split of the configured mixture (reported in
+`subset`); the label ignores it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.core.labels.arrays import rowdot as _rowdot
+from pipeline.core.labels.base import IndexRole, ShardInputs, ShardLabels
+from pipeline.core.neighbours import NeighbourSearch
+from pipeline.core.partition import CLEAN, NOISY, PartitionDecisions, Select, decide_clean_split
+
+__all__ = ["cosine_labels", "decide", "index_role", "label_shard"]
+
+
+def cosine_labels(u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """CLIP-score baseline: (1 + cos(u_i, v_i)) / 2, a strictly monotone map onto [0, 1].
+
+    Affine, so AUROC and Spearman equal those of the raw cosine (up to float32 ties); clipping
+    at 0 instead would tie every negative cosine and change the AUROC. Not calibrated: CLIP
+    cosines of 0.2-0.4 map to 0.6-0.7.
+
+    Args:
+        u, v: (N, D) float32 L2-normalised embeddings.
+
+    Returns:
+        (N,) float32 in [0, 1].
+    """
+    return np.clip(0.5 * (1.0 + _rowdot(u, v)), 0.0, 1.0).astype(np.float32)
+
+
+def decide(
+    count: dict[str, int], select: Select, threshold: float, params
+) -> tuple[PartitionDecisions, dict]:
+    """The clean split only (it fills `subset`)."""
+    threshold, guard_cut, _, report = decide_clean_split(count, select, threshold=threshold)
+    return PartitionDecisions(threshold=threshold, guard_cut=guard_cut), {"clean_split": report}
+
+
+def index_role(params) -> IndexRole | None:
+    return None
+
+
+def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch | None, params) -> ShardLabels:
+    return ShardLabels(
+        soft_label=cosine_labels(inputs.u, inputs.v),
+        subset=np.where(inputs.masks.clean, CLEAN, NOISY).astype(np.int8),
+    )

@@ -1,0 +1,187 @@
+"""A whole label pass over in-memory arrays, with the label stage's own functions.
+
+Pure module. `label_in_memory` runs the same steps as the Ray label pass (partition counts, the
+method's decisions through radix selects, the index over the role's rows, per-shard labels)
+in this process, with `build_local_neighbours` as the neighbour-search back-end. Unit tests,
+notebooks and benchmarks use it; for the same posteriors and embeddings it gives the Ray pass's
+labels bit for bit, whatever the number of shards or index stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from pipeline.core.labels import ShardInputs, ShardLabels, get_method, label_shard
+from pipeline.core.neighbours import build_local_neighbours, image_groups
+from pipeline.core.partition import (
+    PartitionDecisions,
+    ShardMasks,
+    ShardScalars,
+    partition_counts,
+    selection_rows,
+    shard_masks,
+)
+from pipeline.core.select import radix_select, select_round
+
+__all__ = ["InMemoryResult", "label_in_memory"]
+
+
+@dataclass
+class InMemoryResult:
+    labels: ShardLabels  # every row, concatenated in row order
+    masks: ShardMasks  # the corpus's partition (with in-batch anchors when used)
+    decisions: PartitionDecisions
+    partition: dict[str, Any]  # the decision report (as in the pass summary)
+
+
+def _rows(obj, rows: slice):
+    """A dataclass of per-row arrays restricted to `rows` (None fields stay None)."""
+    values = {
+        f.name: (v[rows] if isinstance(v, np.ndarray) else v)
+        for f in fields(obj)
+        for v in [getattr(obj, f.name)]
+    }
+    return type(obj)(**values)
+
+
+def _concat(parts: list[ShardLabels]) -> ShardLabels:
+    def cat(values):
+        return None if values[0] is None else np.concatenate(values)
+
+    proxies = None
+    found = [(i, p.proxies) for i, p in enumerate(parts) if p.proxies is not None]
+    if found:
+        offsets = np.cumsum([0] + [p.soft_label.size for p in parts])
+        proxies = {
+            name: np.concatenate(
+                [(prox[name] + offsets[i]) if name == "rows" else prox[name] for i, prox in found]
+            )
+            for name in found[0][1]
+        }
+    return ShardLabels(
+        soft_label=cat([p.soft_label for p in parts]),
+        subset=cat([p.subset for p in parts]),
+        scores={name: cat([p.scores[name] for p in parts]) for name in parts[0].scores},
+        image_anchor_key=cat([p.image_anchor_key for p in parts]),
+        text_anchor_key=cat([p.text_anchor_key for p in parts]),
+        proxies=proxies,
+    )
+
+
+def label_in_memory(
+    method: str,
+    params,
+    *,
+    u: np.ndarray,
+    v: np.ndarray,
+    loss: np.ndarray,
+    prob: np.ndarray,
+    loss_i2t: np.ndarray | None = None,
+    loss_t2i: np.ndarray | None = None,
+    alpha_i2t: np.ndarray | None = None,
+    alpha_t2i: np.ndarray | None = None,
+    threshold: float = 0.5,
+    keys: np.ndarray | None = None,
+    captions: np.ndarray | None = None,
+    image_hashes: list[str | None] | None = None,
+    shard_sizes: list[int] | None = None,
+    shard_seeds: list[int] | None = None,
+    index_stores: int = 1,
+    factory: str = "Flat",
+    nprobe: int | None = None,
+    seed: int = 0,
+    logit_scale: float = 1 / 0.07,
+    query_batch: int = 1024,
+    fetch_limit: int = 65536,
+) -> InMemoryResult:
+    """Label N pairs with `method` (a `LABEL_METHODS` name) and its `params` section.
+
+    Args:
+        u, v: (N, D) float32 L2-normalised embeddings of the labelling model.
+        loss: (N,) float32 the mixture's loss; prob: (N,) its clean posterior.
+        loss_i2t, loss_t2i: (N,) the labelling model's InfoNCE (SPS's quasi-clean P^); default
+            zeros.
+        alpha_i2t, alpha_t2i: (N,) per-direction posteriors (RCR).
+        threshold: the mixture threshold delta.
+        keys, captions: (N,) stored with index rows (anchor keys, SPS proxy captions);
+            default: the row number as a string / None.
+        image_hashes: (N,) hex SHA-256 of each image (RCR de-duplication), or None.
+        shard_sizes: rows per shard, in order (default one shard); ids are row numbers.
+        shard_seeds: per-shard seeds (in-batch anchors, P^ batches); default `seed` + shard.
+        index_stores, factory, nprobe, seed: the index layout (as `index.*` of a job).
+        logit_scale, query_batch, fetch_limit: as in the label stage.
+    """
+    entry = get_method(method)
+    u = np.ascontiguousarray(u, dtype=np.float32)
+    v = np.ascontiguousarray(v, dtype=np.float32)
+    n = u.shape[0]
+    ids = np.arange(n, dtype=np.int64)
+    zeros = np.zeros(n, dtype=np.float32)
+    scalars = ShardScalars(
+        ids=ids,
+        loss=np.asarray(loss, dtype=np.float32),
+        loss_i2t=zeros if loss_i2t is None else np.asarray(loss_i2t, np.float32),
+        loss_t2i=zeros if loss_t2i is None else np.asarray(loss_t2i, np.float32),
+        prob=np.asarray(prob, dtype=np.float32),
+        alpha_i2t=None if alpha_i2t is None else np.asarray(alpha_i2t, np.float32),
+        alpha_t2i=None if alpha_t2i is None else np.asarray(alpha_t2i, np.float32),
+    )
+    count = partition_counts(
+        scalars,
+        threshold=threshold,
+        sps_eps1=getattr(params, "eps1", None),
+        sps_eps2=getattr(params, "eps2", None),
+        rcr_delta=getattr(params, "delta", None),
+    )
+
+    def select(what, k, in_play, decisions=None, with_id=True):
+        keys_, ids_ = selection_rows(scalars, what, decisions)
+        return radix_select(
+            lambda prefix, fetch: [select_round(keys_, ids_, prefix, fetch)],
+            k,
+            in_play,
+            with_id=with_id,
+            fetch_limit=fetch_limit,
+        )
+
+    decisions, partition = entry.decide(count, select, threshold, params)
+    masks = shard_masks(scalars, decisions)
+    finite = np.isfinite(u).all(axis=1) & np.isfinite(v).all(axis=1)
+    role = entry.index_role(params)
+    neighbours = None
+    if role is not None:
+        rows = np.flatnonzero(role.rows(masks) & finite)
+        part = {"ids": ids[rows], "u": u[rows], "v": v[rows]}
+        stored = {
+            "keys": np.asarray([str(i) for i in ids] if keys is None else keys, dtype=object),
+            "captions": np.asarray([None] * n if captions is None else captions, dtype=object),
+            "groups": image_groups(image_hashes, ids),
+        }
+        part.update({name: stored[name][rows] for name in role.fields})
+        neighbours = build_local_neighbours(
+            [part], stores=index_stores, dim=u.shape[1], factory=factory, nprobe=nprobe, seed=seed
+        )
+    bounds = np.cumsum([0] + list(shard_sizes or [n]))
+    parts = []
+    for index, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        rows = slice(int(start), int(stop))
+        inputs = ShardInputs(
+            scalars=_rows(scalars, rows),
+            masks=_rows(masks, rows),
+            u=u[rows],
+            v=v[rows],
+            loss_i2t=scalars.loss_i2t[rows],
+            loss_t2i=scalars.loss_t2i[rows],
+            seed=(shard_seeds[index] if shard_seeds else seed + index),
+            logit_scale=logit_scale,
+            image_dedup=image_hashes is not None,
+            query_batch=query_batch,
+        )
+        parts.append(label_shard(entry, inputs, neighbours, params))
+        masks.anchor[rows] = inputs.masks.anchor  # in-batch anchors are chosen per shard
+    return InMemoryResult(
+        labels=_concat(parts), masks=masks, decisions=decisions, partition=partition
+    )

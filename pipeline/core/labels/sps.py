@@ -1,0 +1,327 @@
+"""SPS: reliable, quasi-clean and noisy pairs; proxy pairs for the noisy ones.
+
+Pure module: numpy, plus a `NeighbourSearch` over the reliable set (docs/methods.md §7).
+
+Contract:
+- Partition (from the peer's mixture): reliable posterior > eps1, quasi-clean in (eps2, eps1],
+  noisy <= eps2 (1 % rule at eps2, no guard).
+- Labels: reliable 1; quasi-clean p + (1 - p) P^ with P^ the labelling model's match
+  probability from its own InfoNCE losses; noisy 0 (the original caption is discarded). Each
+  noisy pair gets proxy pairs instead: its image with the caption of the reliable pair nearest
+  by image (label y_p = gamma P^ S, 0 below beta), and the symmetric text direction; they go
+  to the proxies table, and the anchor-key columns name the two proxies.
+- With a trainee view (co-teaching), the partition and p come from the peer, while P^, the
+  reliable-set index, the noisy queries and the logit scale are the trainee's own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.core.batching import fixed_size_loss_batches
+from pipeline.core.labels.arrays import check_rows as _check_rows
+from pipeline.core.labels.arrays import rowdot as _rowdot
+from pipeline.core.labels.base import INDEX_ROLES, IndexRole, ShardInputs, ShardLabels
+from pipeline.core.neighbours import NeighbourSearch, neighbour_rows, top1
+from pipeline.core.partition import (
+    CLEAN,
+    NOISY,
+    QUASI_CLEAN,
+    PartitionDecisions,
+    Select,
+    decide_sps_split,
+)
+
+__all__ = [
+    "PROXY_COLUMNS",
+    "decide",
+    "index_role",
+    "label_shard",
+    "proxy_match_probability",
+    "sps_proxy_labels",
+    "sps_quasi_clean_label",
+]
+
+# Columns of the proxies table after `key`, as `label_shard` returns them in `proxies`.
+PROXY_COLUMNS = (
+    "image_proxy_key",
+    "image_proxy_caption",
+    "y_p_img",
+    "s_img",
+    "text_proxy_key",
+    "y_p_txt",
+    "s_txt",
+)
+
+
+def sps_quasi_clean_label(p: np.ndarray, loss_i2t: np.ndarray, loss_t2i: np.ndarray) -> np.ndarray:
+    """SPS/CREAM quasi-clean label (METHODS §4.5, §4.9 step 2).
+
+    P^ = (exp(-l_i2t) + exp(-l_t2i)) / 2 (the model's in-batch match probability, recovered
+    from the eval-pass InfoNCE losses), clamped to [0, 1]; y = p + (1 - p) P^, clamped to [0, 1].
+
+    Args:
+        p: (N,) float clean posterior of the peer's mixture, in [0, 1].
+        loss_i2t, loss_t2i: (N,) float per-direction InfoNCE losses of the labelling model.
+
+    Returns:
+        (N,) float32 in [p, 1].
+    """
+    p = np.asarray(p, dtype=np.float64)
+    match = 0.5 * (np.exp(-np.asarray(loss_i2t, np.float64)) + np.exp(-np.asarray(loss_t2i)))
+    match = np.clip(match, 0.0, 1.0)
+    return np.clip(p + (1.0 - p) * match, 0.0, 1.0).astype(np.float32)
+
+
+def proxy_match_probability(
+    image_emb: np.ndarray,
+    text_emb: np.ndarray,
+    proxy_ids: np.ndarray,
+    *,
+    proxy_side: str = "text",
+    logit_scale: float,
+    batch_size: int = 128,
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """In-batch match probabilities of proxy pairs, duplicate proxies masked (METHODS §4.8 fix).
+
+    Pairs are cut into fixed-size batches (`fixed_size_loss_batches`: seeded, the short tail
+    filled with other pairs whose outputs are dropped). Pairs carrying the same proxy id share
+    one proxy (the same caption, or the same image). In each softmax:
+    - co-positives (other pairs with the pair's own proxy id) are removed from the negatives;
+    - when the candidates are the proxy side, every other distinct proxy counts once (its m
+      identical copies get weight 1/m each), so the result equals a softmax over the batch's
+      distinct proxies. Without this, k copies of a proxy cap each pair's P^ near 1/k.
+
+    Args:
+        image_emb: (Q, D) image side of each proxy pair (noisy image, or proxy image).
+        text_emb: (Q, D) text side (proxy caption, or noisy caption).
+        proxy_ids: (Q,) int64 id of the proxy in each pair.
+        proxy_side: "text" (image direction: the texts are proxy captions) or "image" (text
+            direction: the images are proxy images).
+        logit_scale: 1/tau (CLIP's logit_scale.exp(), or 1/0.07).
+        batch_size: b.
+        seed: batch shuffle seed.
+
+    Returns:
+        p_i2t, p_t2i: (Q,) float32 in [0, 1].
+    """
+    if proxy_side not in ("text", "image"):
+        raise ValueError(f"proxy_side must be 'text' or 'image', got {proxy_side!r}")
+    image_emb = np.asarray(image_emb, dtype=np.float64)
+    rows = image_emb.shape[0]
+    text_emb = _check_rows("text_emb", np.asarray(text_emb, dtype=np.float64), rows)
+    proxy_ids = _check_rows("proxy_ids", np.asarray(proxy_ids, dtype=np.int64), rows)
+    p_i2t = np.zeros(rows)
+    p_t2i = np.zeros(rows)
+    for batch, scored in fixed_size_loss_batches(rows, batch_size, np.random.default_rng(seed)):
+        logits = logit_scale * image_emb[batch] @ text_emb[batch].T  # (b, b): z_ij = S(I_i, T_j)
+        own = np.eye(batch.size, dtype=bool)
+        same = proxy_ids[batch][:, None] == proxy_ids[batch][None, :]  # (b, b) co-positives
+        # log(1/m_j) on candidate j, a copy of a proxy present m_j times (0 on the own entry).
+        copies = -np.log(same.sum(axis=1))  # (b,)
+        text_weight = np.where(own, 0.0, copies[None, :]) if proxy_side == "text" else 0.0
+        image_weight = np.where(own, 0.0, copies[:, None]) if proxy_side == "image" else 0.0
+        allowed = ~same | own
+        row_terms = np.where(allowed, logits + text_weight, -np.inf)  # candidates: texts j
+        col_terms = np.where(allowed, logits + image_weight, -np.inf)  # candidates: images i
+        diagonal = np.diagonal(logits)
+        p_i2t[batch[:scored]] = np.exp(diagonal - _logsumexp(row_terms, axis=1))[:scored]
+        p_t2i[batch[:scored]] = np.exp(diagonal - _logsumexp(col_terms, axis=0))[:scored]
+    return (
+        np.clip(p_i2t, 0.0, 1.0).astype(np.float32),
+        np.clip(p_t2i, 0.0, 1.0).astype(np.float32),
+    )
+
+
+def _logsumexp(x: np.ndarray, axis: int) -> np.ndarray:
+    peak = x.max(axis=axis, keepdims=True)
+    return (peak + np.log(np.exp(x - peak).sum(axis=axis, keepdims=True))).squeeze(axis)
+
+
+def _proxy_direction(
+    similarity: np.ndarray,
+    image_side: np.ndarray,
+    text_side: np.ndarray,
+    proxy_ids: np.ndarray,
+    *,
+    proxy_side: str,
+    logit_scale: float,
+    gamma: float,
+    beta: float,
+    batch_size: int,
+    seed: int,
+) -> dict[str, np.ndarray]:
+    proxy_ids = np.asarray(proxy_ids, dtype=np.int64)
+    found = proxy_ids >= 0
+    match = np.zeros(proxy_ids.shape[0], dtype=np.float64)
+    if found.any():
+        p_i2t, p_t2i = proxy_match_probability(
+            image_side[found],
+            text_side[found],
+            proxy_ids[found],
+            proxy_side=proxy_side,
+            logit_scale=logit_scale,
+            batch_size=batch_size,
+            seed=seed,
+        )
+        match[found] = 0.5 * (p_i2t.astype(np.float64) + p_t2i)
+    similarity = np.where(found, similarity, 0.0)
+    label = gamma * match * similarity
+    # Zero below beta (the reference's cutoff), and for S <= 0 explicitly (§4.9 step 5).
+    label = np.where((label < beta) | (similarity <= 0.0) | ~found, 0.0, label)
+    label = np.where(np.isnan(similarity), np.nan, label)
+    return {
+        "label": np.clip(label, 0.0, 1.0).astype(np.float32),
+        "similarity": similarity.astype(np.float32),
+        "match": match.astype(np.float32),
+    }
+
+
+def sps_proxy_labels(
+    u_n: np.ndarray,
+    v_n: np.ndarray,
+    image_proxy_ids: np.ndarray,
+    image_proxy_u: np.ndarray,
+    image_proxy_v: np.ndarray,
+    text_proxy_ids: np.ndarray,
+    text_proxy_u: np.ndarray,
+    text_proxy_v: np.ndarray,
+    *,
+    logit_scale: float,
+    gamma: float = 1.0,
+    beta: float = 0.5,
+    batch_size: int = 128,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """SPS proxy labels of noisy pairs, both directions (METHODS §4.6, §4.9 steps 3 and 5).
+
+    Image direction: İ is the reliable pair whose image is nearest to the noisy image I_n, Ṫ its
+    caption; y_p = gamma * P^(I_n, Ṫ) * S(I_n, İ), with P^ the bidirectional in-batch match
+    probability over batches of proxy pairs (I_n, Ṫ) with duplicate proxies masked. Text
+    direction: T̈ is the reliable text nearest to T_n, Ï its image; y_p^t = gamma * P^(Ï, T_n)
+    * S(T_n, T̈). Both: 0 below beta, 0 when S <= 0, clamp to [0, 1]. gamma = 1, beta = 0.5
+    reproduce the released code's image direction.
+
+    Args:
+        u_n, v_n: (Q, D) float32 L2-normalised noisy image / text embeddings.
+        image_proxy_ids: (Q,) int64 id of the reliable pair nearest by image (-1: none, e.g.
+            an empty reliable set -> label 0, flagged in "no_proxy").
+        image_proxy_u: (Q, D) that pair's image embedding (u of İ).
+        image_proxy_v: (Q, D) that pair's text embedding (v of Ṫ, the proxy caption).
+        text_proxy_ids: (Q,) int64 id of the reliable pair nearest by text (-1: none).
+        text_proxy_u: (Q, D) that pair's image embedding (u of Ï, the proxy image).
+        text_proxy_v: (Q, D) that pair's text embedding (v of T̈).
+        logit_scale: 1/tau for P^.
+        gamma, beta: the proxy-label scale and cutoff.
+        batch_size, seed: P^ batching.
+
+    Returns:
+        dict of (Q,) arrays: "y_p_img", "y_p_txt" float32 labels; "s_img", "s_txt" float32
+        similarities S(I_n, İ), S(T_n, T̈); "p_hat_img", "p_hat_txt" float32 match
+        probabilities; "no_proxy" bool (no proxy in either direction).
+    """
+    u_n = np.asarray(u_n)
+    rows = u_n.shape[0]
+    v_n = _check_rows("v_n", v_n, rows)
+    image_proxy_ids = _check_rows("image_proxy_ids", np.asarray(image_proxy_ids), rows)
+    text_proxy_ids = _check_rows("text_proxy_ids", np.asarray(text_proxy_ids), rows)
+    options = dict(
+        logit_scale=logit_scale, gamma=gamma, beta=beta, batch_size=batch_size, seed=seed
+    )
+    image = _proxy_direction(
+        _rowdot(u_n, _check_rows("image_proxy_u", image_proxy_u, rows)),
+        u_n,
+        _check_rows("image_proxy_v", image_proxy_v, rows),
+        image_proxy_ids,
+        proxy_side="text",
+        **options,
+    )
+    text = _proxy_direction(
+        _rowdot(v_n, _check_rows("text_proxy_v", text_proxy_v, rows)),
+        _check_rows("text_proxy_u", text_proxy_u, rows),
+        v_n,
+        text_proxy_ids,
+        proxy_side="image",
+        **options,
+    )
+    return {
+        "y_p_img": image["label"],
+        "y_p_txt": text["label"],
+        "s_img": image["similarity"],
+        "s_txt": text["similarity"],
+        "p_hat_img": image["match"],
+        "p_hat_txt": text["match"],
+        "no_proxy": (np.asarray(image_proxy_ids) < 0) & (np.asarray(text_proxy_ids) < 0),
+    }
+
+
+def decide(
+    count: dict[str, int], select: Select, threshold: float, params
+) -> tuple[PartitionDecisions, dict]:
+    """The three-way split (params: eps1, eps2)."""
+    eps2, report = decide_sps_split(count, select, eps1=params.eps1, eps2=params.eps2)
+    decisions = PartitionDecisions(threshold=threshold, sps_eps1=params.eps1, sps_eps2=eps2)
+    return decisions, {"sps_split": report}
+
+
+def index_role(params) -> IndexRole:
+    """Proxies are searched among the reliable pairs (their captions are stored)."""
+    return INDEX_ROLES["reliable"]
+
+
+def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch, params) -> ShardLabels:
+    """SPS labels and proxy pairs of one shard (params: gamma, beta, batch_size)."""
+    u, v, masks = inputs.u, inputs.v, inputs.masks
+    n, dim = u.shape
+    codes = masks.sps
+    label = np.zeros(n, dtype=np.float32)
+    label[codes == CLEAN] = 1.0
+    quasi = codes == QUASI_CLEAN
+    label[quasi] = sps_quasi_clean_label(
+        inputs.scalars.prob[quasi], inputs.loss_i2t[quasi], inputs.loss_t2i[quasi]
+    )
+    noisy = np.flatnonzero(codes == NOISY)
+    image_keys = np.full(n, None, dtype=object)
+    text_keys = np.full(n, None, dtype=object)
+    proxies = None
+    if noisy.size:
+        image_nn = top1(neighbours, "image", u[noisy], inputs.query_batch)
+        text_nn = top1(neighbours, "text", v[noisy], inputs.query_batch)
+        by_image = neighbour_rows(neighbours, image_nn, ("u", "v", "keys", "captions"), dim)
+        by_text = neighbour_rows(neighbours, text_nn, ("u", "v", "keys"), dim)
+        out = sps_proxy_labels(
+            u[noisy],
+            v[noisy],
+            image_nn,
+            by_image["u"],
+            by_image["v"],
+            text_nn,
+            by_text["u"],
+            by_text["v"],
+            logit_scale=inputs.logit_scale,
+            gamma=params.gamma,
+            beta=params.beta,
+            batch_size=params.batch_size,
+            seed=inputs.seed,
+        )
+        image_keys[noisy] = by_image["keys"]
+        text_keys[noisy] = by_text["keys"]
+        proxies = {
+            "rows": noisy,
+            "image_proxy_key": by_image["keys"],
+            "image_proxy_caption": by_image["captions"],
+            "y_p_img": np.nan_to_num(out["y_p_img"], nan=0.0),
+            "s_img": np.nan_to_num(out["s_img"], nan=0.0),
+            "text_proxy_key": by_text["keys"],
+            "y_p_txt": np.nan_to_num(out["y_p_txt"], nan=0.0),
+            "s_txt": np.nan_to_num(out["s_txt"], nan=0.0),
+        }
+    return ShardLabels(
+        soft_label=label,
+        subset=codes,
+        scores={"sps": label.copy()},
+        image_anchor_key=image_keys,
+        text_anchor_key=text_keys,
+        proxies=proxies,
+    )

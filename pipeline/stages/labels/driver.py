@@ -1,0 +1,344 @@
+"""`run_label_pass`: the label pass of one round and view, orchestrated on Ray.
+
+Contract (docs/architecture.md, "The label pass"):
+- Reads `rounds/<r>/embeddings/<shard>.parquet` (view `spec.view`; the labelling view too) and
+  writes `spec.out_dir/<shard>.parquet` in the label-table schema, one row per embedded sample;
+  also `rounds/<r>/mixture_<view>.json` (every fit), the method's proxies table if it has one,
+  the FAISS index shards under `rounds/<r>/index_<view>/`, and last `spec.out_dir/
+  _label_pass.json` (the summary: it marks the pass complete; a rerun with the same job hash
+  returns it without recomputing).
+- Steps, each a Ray task per shard (or an actor per index shard); the driver folds only O(bins)
+  histograms, counts, a few cut points and metrics, never a per-sample list:
+  1. rows and loss ranges; 2. histograms -> BMM/GMM fits; 3. partition counts and the method's
+  decisions (radix selects); 4. index rows -> index actors; 5. label tasks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from pipeline.core.mixture import MixtureFit, fit_bmm, fit_gmm, merge_histograms, merge_ranges
+from pipeline.core.partition import PartitionDecisions
+from pipeline.core.select import radix_select
+from pipeline.io.ground_truth import quality_from_parts
+from pipeline.io.labels import SUBSET_VALUES
+from pipeline.io.layout import RunLayout
+from pipeline.io.tables import file_exists, read_json, write_json_atomic
+from pipeline.stages.labels import shard_tasks
+from pipeline.stages.labels.index_actors import (
+    actor_neighbours,
+    build_index_actors,
+    save_indexes,
+)
+from pipeline.stages.labels.label_task import label_task
+from pipeline.stages.labels.spec import LabelSpec
+
+__all__ = ["SUMMARY_NAME", "run_label_pass"]
+
+logger = logging.getLogger(__name__)
+
+SUMMARY_NAME = "_label_pass.json"  # leading '_': dataset readers (pyarrow, Spark) skip it
+TASK_OPTIONS = {"num_cpus": 1, "max_retries": 3}  # shard tasks: atomic, idempotent writes
+
+
+def _remote(fn, **options):
+    import ray
+
+    return ray.remote(fn).options(**{**TASK_OPTIONS, **options})
+
+
+def _map(fn, spec: LabelSpec, shards: list[str], *per_shard, shared=()) -> list:
+    """Run `fn(spec, shard, *per_shard_args, *shared)` as one task per shard; results in order."""
+    import ray
+
+    task = _remote(fn)
+    columns = list(zip(*per_shard, strict=True)) if per_shard else [()] * len(shards)
+    return ray.get(
+        [task.remote(spec, s, *c, *shared) for s, c in zip(shards, columns, strict=True)]
+    )
+
+
+def _previous_summary(spec: LabelSpec, shards: list[str]) -> dict | None:
+    summary = read_json(f"{spec.out_dir}/{SUMMARY_NAME}")
+    if not summary or not spec.job_hash:
+        return None
+    same = (
+        summary.get("job_hash") == spec.job_hash
+        and summary.get("round") == spec.round_index
+        and summary.get("view") == spec.view
+        and summary.get("method") == spec.labels.method
+        and summary.get("trainee_view", spec.view) == spec.labelling_view
+        and summary.get("shards_labelled") == shards
+    )
+    if same and all(file_exists(f"{spec.out_dir}/{s}.parquet") for s in shards):
+        return summary
+    return None
+
+
+def _fit_mixtures(spec: LabelSpec, shards: list[str], infos: list[dict]) -> dict[str, MixtureFit]:
+    """Steps 1-2: corpus-wide loss ranges, histograms per shard, fits on the driver (O(bins))."""
+    ranges = {}
+    for name in shard_tasks.FIT_LOSSES:
+        merged = (math.inf, -math.inf)
+        for info in infos:
+            merged = merge_ranges(merged, info["ranges"][name])
+        ranges[name] = merged
+    histograms = _map(shard_tasks.histogram_task, spec, shards, shared=(ranges,))
+    fits: dict[str, MixtureFit] = {}
+    for name, fitted in (("loss", ("bmm", "gmm")), ("i2t", ("gmm_i2t",)), ("t2i", ("gmm_t2i",))):
+        parts = [h[name] for h in histograms if name in h]
+        if not parts:
+            raise ValueError(f"no finite {name} loss in any shard: cannot fit a mixture")
+        hist = parts[0]
+        for other in parts[1:]:
+            hist = merge_histograms(hist, other)
+        for fit_name in fitted:
+            fits[fit_name] = fit_bmm(hist) if fit_name == "bmm" else fit_gmm(hist)
+    return fits
+
+
+def _decide(spec, shards, offsets, fits_ref) -> tuple[PartitionDecisions, dict]:
+    """Step 3: summed partition counts, then the method's decisions with distributed selects."""
+    import ray
+
+    counts = _map(shard_tasks.count_task, spec, shards, offsets, shared=(fits_ref,))
+    count = {key: sum(c.get(key, 0) for c in counts) for key in counts[0]}
+    select_task = _remote(shard_tasks.select_task)
+
+    def select(what, k, in_play, decisions=None, with_id=True):
+        def run_round(prefix, fetch):
+            return ray.get(
+                [
+                    select_task.remote(spec, s, o, fits_ref, what, decisions, prefix, fetch)
+                    for s, o in zip(shards, offsets, strict=True)
+                ]
+            )
+
+        return radix_select(
+            run_round, k, in_play, with_id=with_id, fetch_limit=spec.select_fetch_limit
+        )
+
+    return spec.method.decide(count, select, spec.mixture.threshold, spec.params)
+
+
+def _build_index(spec, shards, offsets, fits_ref, decisions, dim) -> tuple[list, dict]:
+    """Step 4: the method's index over the rows its role names (none: no actors)."""
+    role = spec.method.index_role(spec.params)
+    info: dict[str, Any] = {"role": role and role.name}
+    if role is None:
+        return [], info
+    n_actors = spec.index.shards
+    task = _remote(shard_tasks.index_rows_task, num_returns=n_actors)
+    row_refs = [
+        task.remote(spec, s, o, fits_ref, decisions, n_actors)
+        for s, o in zip(shards, offsets, strict=True)
+    ]
+    if n_actors == 1:
+        row_refs = [[ref] for ref in row_refs]
+    actors, sizes = build_index_actors(spec, row_refs, dim)
+    info.update(
+        factory=spec.index.factory, shards=len(actors), rows=sum(sizes), nprobe=spec.index.nprobe
+    )
+    logger.info(f"labels: index over {role.name}: {sum(sizes)} rows in {len(actors)} actor(s)")
+    if spec.write_index:
+        info["dir"] = save_indexes(spec, actors, role.name, sizes, shards, offsets, dim)
+    return actors, info
+
+
+def _label_shards(spec, shards, offsets, fits_ref, decisions, actors, context) -> list[dict]:
+    """Step 5: one label task per shard, reported as they finish."""
+    import ray
+
+    task = _remote(label_task)
+    neighbours = actor_neighbours(actors) if actors else None
+    shared = [ray.put(decisions), neighbours, ray.put(context)]
+    pending = {
+        task.remote(spec, s, o, fits_ref, *shared): s for s, o in zip(shards, offsets, strict=True)
+    }
+    results = []
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        for ref in done:
+            pending.pop(ref)
+            result = ray.get(ref)
+            results.append(result)
+            logger.info(
+                f"  [{len(results)}/{len(shards)}] {result['shard']}: {result['rows']} "
+                f"labelled, {result['seconds']:.1f}s"
+            )
+    order = {shard: i for i, shard in enumerate(shards)}
+    return sorted(results, key=lambda r: order[r["shard"]])
+
+
+def run_label_pass(spec: LabelSpec) -> dict[str, Any]:
+    """Run the label pass of one round and view on the connected Ray cluster.
+
+    Returns:
+        JSON-ready summary: counts per subset, partition decisions, every mixture fit, index
+        layout, seconds per step and, with ground truth, the label-quality table.
+
+    Raises:
+        ValueError: no embedded sample at all, or the embeddings lack the view's columns.
+    """
+    import ray
+
+    import pipeline
+
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def step(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[name], clock = now - clock, now
+
+    shards = [s for s in spec.shards if file_exists(spec.embeddings_path(s))]
+    missing = [s for s in spec.shards if s not in shards]
+    if missing:
+        logger.warning(
+            f"labels: {len(missing)} shard(s) have no embeddings (failed embed), skipped"
+        )
+    previous = _previous_summary(spec, shards)
+    if previous is not None:
+        logger.info(f"labels: {spec.out_dir} already complete for this job, skipped")
+        return {**previous, "skipped": True}
+    layout = RunLayout(spec.output)
+    if not shards:
+        raise ValueError(
+            f"no embeddings under {layout.embeddings_dir(spec.round_index)}: "
+            "run the embed pass first"
+        )
+
+    infos = _map(shard_tasks.range_task, spec, shards)
+    rows = [info["rows"] for info in infos]
+    offsets = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64).tolist()
+    total = int(sum(rows))
+    if total == 0:
+        raise ValueError("the embeddings tables hold no sample: nothing to label")
+    model_id = spec.model_id or next((i["model_id"] for i in infos if i["model_id"]), "unknown")
+    logit_scale = next((i["logit_scale"] for i in infos if i["logit_scale"]), None)
+    step("ranges")
+
+    fits = _fit_mixtures(spec, shards, infos)
+    mixture = {
+        "round": spec.round_index,
+        "view": spec.view,
+        "loss": spec.labels.loss,
+        "kind": spec.mixture.kind,
+        "threshold": spec.mixture.threshold,
+        "fits": {name: fit.to_dict() for name, fit in fits.items()},
+    }
+    write_json_atomic(mixture, layout.mixture(spec.round_index, spec.view))
+    fits_ref = ray.put(fits)
+    step("fit")
+    configured = fits[spec.mixture.kind]
+    logger.info(
+        f"labels: {total} pairs in {len(shards)} shards; {spec.mixture.kind.upper()} on "
+        f"{spec.labels.loss}: clean mean {_component(configured, 'clean')}, noisy mean "
+        f"{_component(configured, 'noisy')}" + (" (no loss spread)" if configured.no_spread else "")
+    )
+
+    decisions, partition = _decide(spec, shards, offsets, fits_ref)
+    step("partition")
+    logger.info(f"labels: partition {json.dumps(partition, sort_keys=True)}")
+    if spec.labelling_view != spec.view:
+        logger.info(
+            f"labels: partition from view {spec.view}, labels from view {spec.labelling_view}"
+        )
+
+    actors: list = []
+    try:
+        actors, index_info = _build_index(
+            spec, shards, offsets, fits_ref, decisions, infos[0]["dim"]
+        )
+        step("index")
+        context = {
+            "version": pipeline.__version__,
+            "model_id": model_id,
+            "logit_scale": logit_scale if logit_scale is not None else repr(1 / 0.07),
+            # RCR ranks unique images when any table has image_sha256 (old tables: rows).
+            "image_groups": any(info["image_sha256"] for info in infos),
+            "mixture": mixture,
+            "shard_paths": dict(zip(spec.shards, spec.shard_paths, strict=False)),
+        }
+        results = _label_shards(spec, shards, offsets, fits_ref, decisions, actors, context)
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+    step("labels")
+
+    subsets = {name: sum(r["subsets"][name] for r in results) for name in SUBSET_VALUES}
+    summary: dict[str, Any] = {
+        "round": spec.round_index,
+        "view": spec.view,
+        "trainee_view": spec.labelling_view,
+        "method": spec.labels.method,
+        "loss": spec.labels.loss,
+        "mixture_kind": spec.mixture.kind,
+        "job_hash": spec.job_hash,
+        "model_id": model_id,
+        "out_dir": spec.out_dir,
+        "ground_truth": spec.ground_truth,
+        "mixture_file": layout.mixture(spec.round_index, spec.view),
+        "shards_labelled": shards,
+        "shards_missing": missing,
+        "samples": total,
+        "invalid": sum(r["invalid"] for r in results),
+        "subsets": subsets,
+        "anchors": sum(r["anchors"] for r in results),
+        "partition": partition,
+        "mixture": {name: _fit_summary(fit) for name, fit in fits.items()},
+        "index": index_info,
+        "seconds": timings,
+        "quality": None,
+    }
+    if spec.ground_truth:
+        summary["quality"] = quality_from_parts([r["quality"] for r in results if "quality" in r])
+        _log_quality(summary["quality"], summary)
+    timings["total"] = sum(timings.values())
+    write_json_atomic(summary, f"{spec.out_dir}/{SUMMARY_NAME}")
+    logger.info(
+        f"labels: wrote {total} rows to {spec.out_dir} "
+        f"({', '.join(f'{k}: {v}' for k, v in subsets.items())}) in {timings['total']:.1f}s"
+    )
+    return {**summary, "skipped": False}
+
+
+def _component(fit: MixtureFit, which: str) -> str:
+    if fit.no_spread or fit.means is None:
+        return "n/a"
+    index = fit.clean_component if which == "clean" else fit.noisy_component
+    return f"{fit.means[index]:.3f} (weight {fit.weights[index]:.2f})"
+
+
+def _fit_summary(fit: MixtureFit) -> dict[str, Any]:
+    """The fit without its likelihood trace (the mixture file keeps everything)."""
+    out = fit.to_dict()
+    out.pop("log_likelihood_trace", None)
+    return out
+
+
+def _log_quality(quality: dict, summary: dict) -> None:
+    def fmt(value) -> str:
+        return "   -  " if value is None else f"{value:6.3f}"
+
+    lines = [
+        "",
+        f"label quality (round {summary['round']}, view {summary['view']}, "
+        f"{summary['samples']} pairs): AUROC clean vs mismatched, Spearman vs degree, "
+        "clean-subset precision/recall",
+        f"  {'score':<18} {'AUROC':>6} {'Spear.':>6} {'prec.':>6} {'recall':>6}",
+    ]
+    for name, q in quality.items():
+        lines.append(
+            f"  {name:<18} {fmt(q['auroc'])} {fmt(q['spearman'])} "
+            f"{fmt(q['precision'])} {fmt(q['recall'])}"
+        )
+    for line in lines:
+        logger.info(line)

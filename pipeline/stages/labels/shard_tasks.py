@@ -1,0 +1,247 @@
+"""The per-shard steps of the label pass: each runs as one Ray task on one embeddings table.
+
+Every function here reads one `rounds/<r>/embeddings/<shard>.parquet`, calls the pure core
+(`pipeline.core.partition`, `pipeline.core.labels`) and returns a small summary, or (the
+label step) writes the shard's tables. None of them talks to Ray: the driver schedules them.
+
+Sample ids: shard i's row j has global id offset_i + j (shards in the spec's order); every tie
+in the core is broken by it, so labels do not depend on sharding or scheduling.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.core.labels import ShardInputs
+from pipeline.core.mixture import MixtureFit, build_histogram, clean_posterior, histogram_range
+from pipeline.core.neighbours import image_groups
+from pipeline.core.partition import (
+    PartitionDecisions,
+    ShardScalars,
+    partition_counts,
+    selection_rows,
+    shard_masks,
+)
+from pipeline.core.select import select_round
+from pipeline.io.tables import embedding_matrix, read_schema, read_table
+from pipeline.stages.labels.spec import LabelSpec
+
+__all__ = [
+    "FIT_LOSSES",
+    "add_posteriors",
+    "count_task",
+    "histogram_task",
+    "index_rows_task",
+    "load_shard",
+    "range_task",
+    "select_task",
+    "shard_seed",
+]
+
+FIT_LOSSES = ("loss", "i2t", "t2i")  # the losses whose histograms are fitted
+
+
+def _embedding_columns(view: str) -> list[str]:
+    return [f"image_embedding_{view}", f"text_embedding_{view}"]
+
+
+def _scalar_columns(spec: LabelSpec) -> list[str]:
+    view = spec.view
+    columns = [f"loss_i2t_{view}", f"loss_t2i_{view}"]
+    if spec.labels.loss == "triplet":
+        columns.append(f"loss_triplet_{view}")
+    return columns
+
+
+def _float_column(table: pa.Table, name: str) -> np.ndarray:
+    return table.column(name).to_numpy().astype(np.float32)
+
+
+def _scalars(spec: LabelSpec, table: pa.Table, offset: int) -> ShardScalars:
+    view = spec.view
+    i2t = _float_column(table, f"loss_i2t_{view}")
+    t2i = _float_column(table, f"loss_t2i_{view}")
+    # The InfoNCE sum in float32: the `loss` column holds exactly the value the mixture saw.
+    if spec.labels.loss == "triplet":
+        loss = _float_column(table, f"loss_triplet_{view}")
+    else:
+        loss = i2t + t2i
+    ids = offset + np.arange(table.num_rows, dtype=np.int64)
+    return ShardScalars(ids=ids, loss=loss, loss_i2t=i2t, loss_t2i=t2i)
+
+
+def add_posteriors(spec: LabelSpec, scalars: ShardScalars, fits: dict[str, MixtureFit]) -> None:
+    """The configured mixture's clean posterior (and RCR's per-direction ones)."""
+    scalars.prob = clean_posterior(fits[spec.mixture.kind], scalars.loss)
+    if spec.method.direction_posteriors:
+        scalars.alpha_i2t = clean_posterior(fits["gmm_i2t"], scalars.loss_i2t)
+        scalars.alpha_t2i = clean_posterior(fits["gmm_t2i"], scalars.loss_t2i)
+
+
+def _load_scalars(
+    spec: LabelSpec, shard: str, offset: int, fits: dict[str, MixtureFit] | None = None
+) -> ShardScalars:
+    scalars = _scalars(spec, read_table(spec.embeddings_path(shard), _scalar_columns(spec)), offset)
+    if fits is not None:
+        add_posteriors(spec, scalars, fits)
+    return scalars
+
+
+def shard_seed(spec: LabelSpec, shard: str) -> int:
+    return (spec.seed * 1_000_003 + spec.round_index * 7919 + zlib.crc32(shard.encode())) % 2**32
+
+
+def range_task(spec: LabelSpec, shard: str) -> dict[str, Any]:
+    """Rows, loss ranges and embedding metadata of one shard.
+
+    Raises:
+        ValueError: the table lacks a column of the view (or of the labelling view).
+    """
+    path = spec.embeddings_path(shard)
+    schema = read_schema(path)
+    labelling = spec.labelling_view
+    needed = _scalar_columns(spec) + _embedding_columns(spec.view) + [f"cosine_{spec.view}"]
+    if labelling != spec.view:
+        needed += _embedding_columns(labelling) + [
+            f"loss_i2t_{labelling}",
+            f"loss_t2i_{labelling}",
+        ]
+    missing = [name for name in needed if name not in schema.names]
+    if missing:
+        raise ValueError(f"{path} lacks the columns {missing}: was that view embedded?")
+    metadata = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
+    scalars = _scalars(spec, read_table(path, _scalar_columns(spec)), 0)
+    losses = {"loss": scalars.loss, "i2t": scalars.loss_i2t, "t2i": scalars.loss_t2i}
+    return {
+        "rows": int(scalars.ids.size),
+        "ranges": {name: histogram_range(values) for name, values in losses.items()},
+        "model_id": metadata.get(f"ncl.model_id.{spec.view}"),
+        "logit_scale": metadata.get(f"ncl.logit_scale.{labelling}"),
+        "image_sha256": "image_sha256" in schema.names,
+        "dim": int(schema.field(f"image_embedding_{labelling}").type.list_size),
+    }
+
+
+def histogram_task(spec: LabelSpec, shard: str, ranges: dict[str, tuple[float, float]]) -> dict:
+    """Loss histograms of one shard over the corpus-wide ranges (they add across shards)."""
+    scalars = _load_scalars(spec, shard, 0)
+    losses = {"loss": scalars.loss, "i2t": scalars.loss_i2t, "t2i": scalars.loss_t2i}
+    return {
+        name: build_histogram(values, *ranges[name], bins=spec.mixture.bins)
+        for name, values in losses.items()
+        if ranges[name][0] <= ranges[name][1]
+    }
+
+
+def count_task(spec: LabelSpec, shard: str, offset: int, fits: dict) -> dict[str, int]:
+    scalars = _load_scalars(spec, shard, offset, fits)
+    sps = spec.labels.sps
+    return partition_counts(
+        scalars,
+        threshold=spec.mixture.threshold,
+        sps_eps1=sps.eps1,
+        sps_eps2=sps.eps2,
+        rcr_delta=spec.labels.rcr.delta,
+    )
+
+
+def select_task(
+    spec: LabelSpec,
+    shard: str,
+    offset: int,
+    fits: dict,
+    what: str,
+    decisions: PartitionDecisions | None,
+    prefix: tuple[int, ...],
+    fetch: bool,
+):
+    """One radix-select round over this shard's rows (`pipeline.core.select`)."""
+    keys, ids = selection_rows(_load_scalars(spec, shard, offset, fits), what, decisions)
+    return select_round(keys, ids, prefix, fetch)
+
+
+def index_rows_task(
+    spec: LabelSpec,
+    shard: str,
+    offset: int,
+    fits: dict,
+    decisions: PartitionDecisions,
+    n_stores: int,
+):
+    """Rows of one shard that go into the method's index, split by owner (id % n_stores).
+
+    The partition comes from `spec.view`; the vectors from the labelling view. Each part
+    carries the fields the role stores (keys, captions, image groups).
+    """
+    role = spec.method.index_role(spec.params)
+    labelling = spec.labelling_view
+    path = spec.embeddings_path(shard)
+    extra = {"keys": ["key"], "captions": ["caption"], "groups": []}
+    columns = [c for name in role.fields for c in extra[name]]
+    hashes_stored = "groups" in role.fields and "image_sha256" in read_schema(path).names
+    if hashes_stored:
+        columns.append("image_sha256")
+    table = read_table(path, _embedding_columns(labelling) + _scalar_columns(spec) + columns)
+    scalars = _scalars(spec, table, offset)
+    add_posteriors(spec, scalars, fits)
+    u = embedding_matrix(table.column(f"image_embedding_{labelling}"))
+    v = embedding_matrix(table.column(f"text_embedding_{labelling}"))
+    finite = np.isfinite(u).all(axis=1) & np.isfinite(v).all(axis=1)
+    rows = np.flatnonzero(role.rows(shard_masks(scalars, decisions)) & finite)
+    fields: dict[str, np.ndarray] = {}
+    if "keys" in role.fields:
+        fields["keys"] = np.asarray(table.column("key").to_pylist(), dtype=object)
+    if "captions" in role.fields:
+        fields["captions"] = np.asarray(table.column("caption").to_pylist(), dtype=object)
+    if "groups" in role.fields:
+        hashes = table.column("image_sha256").to_pylist() if hashes_stored else None
+        fields["groups"] = image_groups(hashes, scalars.ids)
+    parts = []
+    for owner in range(n_stores):
+        mine = rows[scalars.ids[rows] % n_stores == owner]
+        part = {"ids": scalars.ids[mine], "u": u[mine], "v": v[mine]}
+        part.update({name: values[mine] for name, values in fields.items()})
+        parts.append(part)
+    return tuple(parts) if n_stores > 1 else parts[0]
+
+
+def load_shard(
+    spec: LabelSpec,
+    shard: str,
+    offset: int,
+    fits: dict,
+    decisions: PartitionDecisions,
+    context: dict[str, Any],
+) -> tuple[pa.Table, ShardInputs]:
+    """One shard's table (key, url, caption, cosine, ...) and the method's `ShardInputs`."""
+    view, labelling = spec.view, spec.labelling_view
+    labelling_losses = [f"loss_i2t_{labelling}", f"loss_t2i_{labelling}"]
+    table = read_table(
+        spec.embeddings_path(shard),
+        ["key", "shard", "url", "caption", f"cosine_{view}"]
+        + _embedding_columns(labelling)
+        + _scalar_columns(spec)
+        + (labelling_losses if labelling != view else []),
+    )
+    scalars = _scalars(spec, table, offset)
+    add_posteriors(spec, scalars, fits)
+    loss_i2t, loss_t2i = scalars.loss_i2t, scalars.loss_t2i
+    if labelling != view:
+        loss_i2t, loss_t2i = (_float_column(table, name) for name in labelling_losses)
+    inputs = ShardInputs(
+        scalars=scalars,
+        masks=shard_masks(scalars, decisions),
+        u=embedding_matrix(table.column(f"image_embedding_{labelling}")),
+        v=embedding_matrix(table.column(f"text_embedding_{labelling}")),
+        loss_i2t=loss_i2t,
+        loss_t2i=loss_t2i,
+        seed=shard_seed(spec, shard),
+        logit_scale=float(context["logit_scale"]),
+        image_dedup=bool(context["image_groups"]),
+        query_batch=spec.query_batch,
+    )
+    return table, inputs
