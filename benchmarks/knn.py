@@ -31,7 +31,7 @@ import numpy as np
 from scipy.stats import spearmanr
 
 from pipeline.core.knn import ShardedIndex, exact_topk_torch, resolve_ngpu, train_index
-from pipeline.core.soft_labels import ndcg_at_k
+from pipeline.core.labels.rcr import ndcg_at_k
 
 
 def emit(figure: str, **values) -> None:

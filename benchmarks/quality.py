@@ -38,6 +38,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -55,7 +56,7 @@ from pipeline.data.synthetic import make_corpus  # noqa: E402
 from pipeline.io.layout import RunLayout  # noqa: E402
 from pipeline.labels import read_labels  # noqa: E402
 from pipeline.runner import resolve_inputs, run_job  # noqa: E402
-from pipeline.stages.labels import BicroParams, LabelSpec, run_label_pass  # noqa: E402
+from pipeline.stages.labels import LabelSpec, run_label_pass  # noqa: E402
 
 QUALITY_KEYS = ("auroc", "spearman", "precision", "recall", "f1")
 
@@ -132,17 +133,19 @@ def run_noise_level(noise: float, args, workdir: Path, pretrained: str | None) -
     truth_table = pq.read_table(corpus / "ground_truth.parquet", columns=["key", "kind"])
     truth = dict(zip(truth_table["key"].to_pylist(), truth_table["kind"].to_pylist(), strict=True))
 
-    def label(name: str, **changes) -> dict:
+    def label(name: str, mixture_kind: str | None = None, **labels) -> dict:
         base = LabelSpec.from_job(
             job, round_index=0, view="a", shard_paths=paths, out_dir=f"{layout.output}/{name}"
         )
-        spec = LabelSpec(**{**base.__dict__, **changes})
-        return run_label_pass(spec, log=lambda _: None)
+        spec = base.with_labels(**labels)
+        if mixture_kind:
+            spec = replace(spec, mixture=spec.mixture.model_copy(update={"kind": mixture_kind}))
+        return run_label_pass(spec)
 
     runs = {
         "bicro": label("labels_bicro", method="bicro"),
         "rcr": label("labels_rcr", method="rcr"),
-        # SPS partitions with a GMM (METHODS §4.2); a BMM's posteriors rarely pass eps1 = 0.99.
+        # SPS partitions with a GMM (docs/methods.md §7); a BMM's posteriors rarely pass 0.99.
         "sps": label("labels_sps", method="sps", mixture_kind="gmm"),
         "cosine": label("labels_cosine", method="cosine"),
     }
@@ -184,7 +187,7 @@ def run_noise_level(noise: float, args, workdir: Path, pretrained: str | None) -
         cosine_on_c_spearman=rcr["rcr_cosine_on_c"]["spearman"],
         alpha_mean_auroc=rcr["rcr_alpha_mean"]["auroc"],
     )
-    in_batch = label("labels_bicro_in_batch", method="bicro", bicro=BicroParams(anchors="in_batch"))
+    in_batch = label("labels_bicro_in_batch", method="bicro", bicro={"anchors": "in_batch"})
     emit(
         "ablation_global_vs_in_batch",
         **common,

@@ -1,4 +1,4 @@
-"""The label pass: distributed order statistics vs the core partitions, and the pass on Ray.
+"""The label pass on Ray: tables, quality, equality with the in-memory back-end, sharding.
 
 Ray tests run on synthetic embeddings tables (clustered blobs, 30 % shuffled captions, losses
 from `pipeline.core.losses`), so label quality is meaningful without a trained model; the
@@ -8,7 +8,7 @@ end-to-end embed -> label test on the demo corpus is in test_labels_reader.py.
 from __future__ import annotations
 
 import json
-import zlib
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -16,156 +16,14 @@ import pyarrow.parquet as pq
 import pytest
 from label_fixtures import write_blob_run
 
-from pipeline.core.partition import rcr_candidates, select_anchors, split_clean, split_sps
-from pipeline.core.soft_labels import bicro_global_anchors, rcr_global
+from pipeline.config import IndexConfig, LabelsConfig
+from pipeline.core.labels.in_memory import label_in_memory
+from pipeline.core.mixture import MixtureFit, clean_posterior
 from pipeline.io.labels import LABELS_SCHEMA, SPS_PROXIES_SCHEMA, labels_json_schema
 from pipeline.labels import read_labels
-from pipeline.stages.labels import (
-    BicroParams,
-    LabelSpec,
-    RcrParams,
-    SpsParams,
-    _decide,
-    _key_value,
-    _masks,
-    _order_keys,
-    _partition_counts,
-    _radix_select,
-    _Scalars,
-    _select_round,
-    _selection_rows,
-    run_label_pass,
-)
+from pipeline.stages.labels import LabelSpec, run_label_pass
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# ---------------------------------------------------------------------------------------------
-# Pure: order keys, radix select, global decisions == the in-memory core partitions
-# ---------------------------------------------------------------------------------------------
-
-
-def test_order_keys_sort_like_floats():
-    values = np.array([-np.inf, -3.5, -1e-30, -0.0, 0.0, 1e-30, 0.5, 2.0, np.inf], np.float32)
-    keys = _order_keys(values)
-    assert np.all(np.diff(keys.astype(np.int64)) >= 0)
-    assert keys[3] == keys[4]  # -0.0 and 0.0 are the same value
-    assert [_key_value(int(k)) for k in keys] == [float(v) for v in values + np.float32(0)]
-
-
-def _local_rounds(parts):
-    """run_round over in-memory shards: [(keys, ids), ...]."""
-
-    def run_round(prefix, fetch):
-        return [_select_round(keys, ids, prefix, fetch) for keys, ids in parts]
-
-    return run_round
-
-
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("fetch_limit", [1, 7, 10**6])
-def test_radix_select_matches_sorting(seed, fetch_limit):
-    rng = np.random.default_rng(seed)
-    n = 300
-    values = np.round(rng.normal(size=n), 1).astype(np.float32)  # many ties
-    values[rng.choice(n, 5, replace=False)] = -0.0
-    ids = rng.permutation(n).astype(np.int64) * 7919 + 2**40  # wide ids: all 6 digits used
-    keys = _order_keys(values)
-    bounds = [0, 50, 50, 220, n]  # one empty shard
-    parts = [(keys[a:b], ids[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-    order = np.lexsort((ids, keys))
-    for k in (1, 2, 17, n // 2, n):
-        key, sample, n_le = _radix_select(
-            _local_rounds(parts), k, n, with_id=True, fetch_limit=fetch_limit
-        )
-        assert (key, sample, n_le) == (int(keys[order[k - 1]]), int(ids[order[k - 1]]), k)
-        key, sample, n_le = _radix_select(
-            _local_rounds(parts), k, n, with_id=False, fetch_limit=fetch_limit
-        )
-        assert sample is None and key == int(keys[order[k - 1]])
-        assert n_le == int((keys <= keys[order[k - 1]]).sum())
-
-
-def _shards_of(prob, loss, alpha_i2t, alpha_t2i, bounds):
-    out = []
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        out.append(
-            _Scalars(
-                ids=np.arange(a, b, dtype=np.int64),
-                loss=loss[a:b],
-                loss_i2t=loss[a:b],
-                loss_t2i=loss[a:b],
-                prob=prob[a:b],
-                alpha_i2t=alpha_i2t[a:b],
-                alpha_t2i=alpha_t2i[a:b],
-            )
-        )
-    return out
-
-
-def _local_decide(spec, shards, fetch_limit):
-    counts = [_partition_counts(spec, s) for s in shards]
-    count = {key: sum(c[key] for c in counts) for key in counts[0]}
-
-    def select(what, k, in_play, decisions=None, with_id=True):
-        parts = [_selection_rows(spec, s, what, decisions) for s in shards]
-        return _radix_select(
-            _local_rounds(parts), k, in_play, with_id=with_id, fetch_limit=fetch_limit
-        )
-
-    decisions, partition = _decide(spec, count, select)
-    masks = [_masks(spec, s, decisions) for s in shards]
-    return partition, {name: np.concatenate([m[name] for m in masks]) for name in masks[0]}
-
-
-@pytest.mark.parametrize("case", ["mixed", "all_clean", "none_clean"])
-@pytest.mark.parametrize("fetch_limit", [1, 10**6])
-def test_global_decisions_equal_core_partitions(case, fetch_limit):
-    rng = np.random.default_rng(zlib.crc32(case.encode()))
-    n = 700
-    loss = np.round(rng.gamma(2.0, 1.0, n), 1).astype(np.float32)  # tied losses
-    low, high = {"mixed": (0.0, 1.0), "all_clean": (0.995, 1.0), "none_clean": (0.0, 0.3)}[case]
-    prob = rng.uniform(low, high, n).astype(np.float32)
-    prob[rng.choice(n, 20, replace=False)] = np.float32(high)  # tied probabilities
-    prob[rng.choice(n, 9, replace=False)] = np.nan  # NaN losses upstream
-    loss[np.isnan(prob)] = np.nan
-    alpha_i2t = rng.uniform(low, high, n).astype(np.float32)
-    alpha_t2i = rng.uniform(low, high, n).astype(np.float32)
-    alpha_i2t[np.isnan(prob)] = np.nan
-    shards = _shards_of(prob, loss, alpha_i2t, alpha_t2i, [0, 100, 100, 450, n])
-    spec = LabelSpec(
-        output="unused",
-        round_index=0,
-        view="a",
-        shards=("x",),
-        out_dir="unused",
-        method="bicro",
-        bicro=BicroParams(anchor_fraction=0.13),
-        sps=SpsParams(eps1=0.998, eps2=0.5),
-        rcr=RcrParams(delta=0.5),
-    )
-
-    partition, masks = _local_decide(spec, shards, fetch_limit)
-    clean, flags = split_clean(prob, 0.5, losses=loss)
-    np.testing.assert_array_equal(masks["clean"], clean)
-    assert partition["clean_split"] == flags.to_dict()
-    anchors = select_anchors(clean, loss, 0.13)
-    np.testing.assert_array_equal(np.flatnonzero(masks["anchor"]), anchors)
-    assert partition["anchors"]["n_anchors"] == anchors.size
-
-    sps_spec = LabelSpec(**{**spec.__dict__, "method": "sps"})
-    partition, masks = _local_decide(sps_spec, shards, fetch_limit)
-    codes, flags = split_sps(prob, 0.998, 0.5)
-    np.testing.assert_array_equal(masks["sps"], codes)
-    extra = ("eps1", "n_reliable", "no_reliable_set")
-    assert {k: v for k, v in partition["sps_split"].items() if k not in extra} == flags.to_dict()
-    assert partition["sps_split"]["n_reliable"] == int((codes == 0).sum())
-
-    rcr_spec = LabelSpec(**{**spec.__dict__, "method": "rcr"})
-    partition, masks = _local_decide(rcr_spec, shards, fetch_limit)
-    in_c, flags = rcr_candidates(alpha_i2t, alpha_t2i, 0.5)
-    np.testing.assert_array_equal(masks["in_c"], in_c)
-    assert partition["rcr_candidates"] == flags.to_dict()
-
 
 # ---------------------------------------------------------------------------------------------
 # On Ray, over synthetic embeddings
@@ -180,7 +38,8 @@ def blob_run(tmp_path_factory) -> dict:
     return info
 
 
-def _spec(info: dict, out_dir: str, **overrides) -> LabelSpec:
+def _spec(info: dict, out_dir: str, *, labels=None, index=None, **overrides) -> LabelSpec:
+    """A pass over the blob run; `labels` / `index` are config sections as dicts."""
     options = dict(
         output=info["output"],
         round_index=0,
@@ -191,6 +50,8 @@ def _spec(info: dict, out_dir: str, **overrides) -> LabelSpec:
         job_hash="test",
         seed=0,
         query_batch=64,  # several batches per shard
+        labels=LabelsConfig.model_validate(labels or {}),
+        index=IndexConfig.model_validate(index or {}),
     )
     options.update(overrides)
     return LabelSpec(**options)
@@ -206,8 +67,8 @@ def blob_labels(local_ray, blob_run, tmp_path_factory) -> dict:
     out = {}
     root = tmp_path_factory.mktemp("labels")
     for method in ("bicro", "rcr", "sps", "cosine"):
-        spec = _spec(blob_run, str(root / method), method=method)
-        out[method] = {"spec": spec, "summary": run_label_pass(spec, log=lambda _: None)}
+        spec = _spec(blob_run, str(root / method), labels={"method": method})
+        out[method] = {"spec": spec, "summary": run_label_pass(spec)}
     return out
 
 
@@ -252,29 +113,52 @@ def test_label_quality_beats_thresholds(blob_labels):
             assert quality[baseline]["auroc"] is not None
 
 
-@pytest.mark.ray
-def test_bicro_and_rcr_equal_the_in_memory_core(blob_run, blob_labels):
-    bicro = _table(blob_labels["bicro"]["spec"].out_dir)
-    rcr = _table(blob_labels["rcr"]["spec"].out_dir)
-    # The stored fp16 embeddings, renormalised as the pass reads them.
-    u = _unit16(blob_run["u"])
-    v = _unit16(blob_run["v"])
-    loss = bicro.column("loss").to_numpy()
-    prob = bicro.column("clean_prob").to_numpy()
-    clean, _ = split_clean(prob, 0.5, losses=loss)
-    subset = np.array(bicro.column("subset").to_pylist())
-    np.testing.assert_array_equal(subset == "clean", clean)
-    core = bicro_global_anchors(u, v, loss, clean, fraction=0.1)
-    np.testing.assert_array_equal(bicro.column("bicro").to_numpy(), core["bicro"])
-    np.testing.assert_array_equal(bicro.column("soft_label").to_numpy(), core["bicro_star"])
-    keys = bicro.column("key").to_numpy(False)
-    named = bicro.column("image_anchor_key").to_numpy(False)
-    has = core["image_anchor"] >= 0
-    assert np.all(named[has] == keys[core["image_anchor"][has]])
-    assert np.all(named[~has] == None)  # noqa: E711 - anchors name no anchor
+def _fits(info: dict) -> dict[str, MixtureFit]:
+    mixture = json.loads(Path(info["output"], "rounds/0/mixture_a.json").read_text())
+    return {name: MixtureFit.from_dict(fit) for name, fit in mixture["fits"].items()}
 
-    weights = rcr_global(u, v, k=10)["w"]
-    np.testing.assert_allclose(rcr.column("rcr").to_numpy(), weights, atol=1e-6)
+
+@pytest.mark.ray
+@pytest.mark.parametrize("method", ["bicro", "rcr", "sps", "cosine"])
+def test_ray_pass_equals_the_in_memory_back_end(blob_run, blob_labels, method):
+    """The same core functions over the Ray actors and over in-process index stores give the
+    same labels bit for bit: one implementation, two back-ends."""
+    spec = blob_labels[method]["spec"]
+    table = _table(spec.out_dir)  # keys sort like global ids in this fixture
+    u, v = _unit16(blob_run["u"]), _unit16(blob_run["v"])  # the stored fp16, renormalised
+    loss = table.column("loss").to_numpy()
+    fits = _fits(blob_run)
+    embeddings = pq.read_table(Path(blob_run["output"], "rounds/0/embeddings")).sort_by("key")
+    i2t = embeddings.column("loss_i2t_a").to_numpy()
+    t2i = embeddings.column("loss_t2i_a").to_numpy()
+    from pipeline.stages.labels.shard_tasks import shard_seed
+
+    out = label_in_memory(
+        method,
+        getattr(spec.labels, method, None),
+        u=u,
+        v=v,
+        loss=loss,
+        prob=clean_posterior(fits["bmm"], loss),
+        loss_i2t=i2t,
+        loss_t2i=t2i,
+        alpha_i2t=clean_posterior(fits["gmm_i2t"], i2t),
+        alpha_t2i=clean_posterior(fits["gmm_t2i"], t2i),
+        keys=table.column("key").to_numpy(False),
+        captions=embeddings.column("caption").to_numpy(False),
+        shard_sizes=[200] * 4,
+        shard_seeds=[shard_seed(spec, s) for s in blob_run["shards"]],
+        query_batch=64,
+    )
+    np.testing.assert_array_equal(table.column("soft_label").to_numpy(), out.labels.soft_label)
+    subsets = np.array(["clean", "quasi_clean", "noisy"])[out.labels.subset]
+    assert table.column("subset").to_pylist() == subsets.tolist()
+    for name, values in out.labels.scores.items():
+        np.testing.assert_array_equal(table.column(name).to_numpy(), values)
+    for column in ("image_anchor_key", "text_anchor_key"):
+        expected = getattr(out.labels, column)
+        expected = [None] * len(u) if expected is None else expected.tolist()
+        assert table.column(column).to_pylist() == expected
 
 
 def _unit16(x: np.ndarray) -> np.ndarray:
@@ -313,26 +197,24 @@ def test_sharded_index_gives_identical_labels(blob_run, blob_labels, tmp_path):
     spec = _spec(
         blob_run,
         str(tmp_path / "bicro"),
-        method="bicro",
-        index_shards=2,
+        labels={"method": "bicro"},
+        index={"shards": 2},
         select_fetch_limit=1,
         query_batch=1000,
         ground_truth=None,
     )
-    run_label_pass(spec, log=lambda _: None)
+    run_label_pass(spec)
     assert _table(spec.out_dir).equals(reference)
 
     reference = _table(blob_labels["rcr"]["spec"].out_dir)
     ivf = _spec(
         blob_run,
         str(tmp_path / "rcr"),
-        method="rcr",
-        index_factory="IVF4,Flat",
-        index_shards=2,
-        nprobe=4,
+        labels={"method": "rcr"},
+        index={"factory": "IVF4,Flat", "shards": 2, "nprobe": 4},
         ground_truth=None,
     )
-    summary = run_label_pass(ivf, log=lambda _: None)
+    summary = run_label_pass(ivf)
     assert summary["index"]["factory"] == "IVF4,Flat" and summary["index"]["rows"] == 800
     table = _table(ivf.out_dir)
     for name in ("rcr", "soft_label"):
@@ -341,14 +223,14 @@ def test_sharded_index_gives_identical_labels(blob_run, blob_labels, tmp_path):
 
 
 @pytest.mark.ray
-def test_rerun_is_deterministic_and_skips_when_complete(blob_run, blob_labels, tmp_path):
+def test_rerun_is_deterministic_and_skips_when_complete(blob_run, blob_labels, tmp_path, caplog):
     first = blob_labels["sps"]
-    again = _spec(blob_run, str(tmp_path / "again"), method="sps", ground_truth=None)
-    run_label_pass(again, log=lambda _: None)
+    again = _spec(blob_run, str(tmp_path / "again"), labels={"method": "sps"}, ground_truth=None)
+    run_label_pass(again)
     assert _table(again.out_dir).equals(_table(first["spec"].out_dir))
-    lines = []
-    summary = run_label_pass(first["spec"], log=lines.append)
-    assert summary["skipped"] and any("already complete" in line for line in lines)
+    with caplog.at_level(logging.INFO, logger="pipeline"):
+        summary = run_label_pass(first["spec"])
+    assert summary["skipped"] and "already complete" in caplog.text
     assert summary["subsets"] == first["summary"]["subsets"]
 
 
@@ -357,10 +239,9 @@ def test_in_batch_anchors(blob_run, blob_labels, tmp_path):
     spec = _spec(
         blob_run,
         str(tmp_path / "in_batch"),
-        method="bicro",
-        bicro=BicroParams(anchors="in_batch", batch_size=64),
+        labels={"method": "bicro", "bicro": {"anchors": "in_batch", "batch_size": 64}},
     )
-    summary = run_label_pass(spec, log=lambda _: None)
+    summary = run_label_pass(spec)
     assert summary["index"]["role"] is None
     # The released per-batch anchors: usable, but the global anchors are better (the ablation).
     in_batch = summary["quality"]["bicro"]["auroc"]
@@ -371,11 +252,15 @@ def test_in_batch_anchors(blob_run, blob_labels, tmp_path):
 
 def test_label_spec_validation():
     with pytest.raises(ValueError, match="eps1 > eps2"):
-        LabelSpec("o", 0, "a", ("x",), "d", sps=SpsParams(eps1=0.4, eps2=0.5))
+        LabelsConfig.model_validate({"sps": {"eps1": 0.4, "eps2": 0.5}})
     with pytest.raises(ValueError, match="method"):
-        LabelSpec("o", 0, "a", ("x",), "d", method="ncr")
+        LabelsConfig.model_validate({"method": "ncr"})
     with pytest.raises(ValueError, match="at least one shard"):
         LabelSpec("o", 0, "a", (), "d")
+    spec = LabelSpec("o", 0, "a", ("x",), "d")
+    assert spec.with_labels(method="rcr").params == LabelsConfig().rcr
+    with pytest.raises(ValueError, match="anchor_fraction"):
+        spec.with_labels(bicro={"anchor_fraction": 0})
 
 
 def test_committed_labels_schema_is_current():
@@ -412,8 +297,8 @@ def test_index_shards_are_persisted(local_ray, tmp_path):
 
     info = write_blob_run(tmp_path / "run", n=300, shards=3, seed=3)
     info["output"] = str(tmp_path / "run")
-    spec = _spec(info, str(tmp_path / "labels"), method="bicro", index_shards=2)
-    summary = run_label_pass(spec, log=lambda _: None)
+    spec = _spec(info, str(tmp_path / "labels"), labels={"method": "bicro"}, index={"shards": 2})
+    summary = run_label_pass(spec)
     folder = tmp_path / "run" / "rounds" / "0" / "index_a"
     assert summary["index"]["dir"] == str(folder)
     description = json.loads((folder / "_index.json").read_text())
@@ -554,21 +439,28 @@ def test_rcr_ranks_unique_images(two_view_run, tmp_path, include_self):
         view="a",
         shards=tuple(run["shards"]),
         out_dir=str(tmp_path / "rcr"),
-        method="rcr",
-        rcr=RcrParams(k=5, include_self=include_self),
-        index_shards=2,
+        labels=LabelsConfig.model_validate(
+            {"method": "rcr", "rcr": {"k": 5, "include_self": include_self}}
+        ),
+        index=IndexConfig(shards=2),
         query_batch=16,
         job_hash="dedup",
     )
-    run_label_pass(spec, log=lambda _: None)
+    run_label_pass(spec)
     weights = _labels_in_id_order(spec.out_dir, run["shards"]).column("rcr").to_numpy()
     embeddings = run["embeddings"]
-    u = _view_matrix(embeddings, "image_embedding_a")
-    v = _view_matrix(embeddings, "text_embedding_a")
-    _, groups = np.unique(embeddings.column("image_sha256").to_pylist(), return_inverse=True)
-    deduplicated = rcr_global(u, v, k=5, include_self=include_self, image_group_ids=groups)["w"]
-    np.testing.assert_allclose(weights, deduplicated, atol=1e-6)
-    rows = rcr_global(u, v, k=5, include_self=include_self)["w"]
+    options = dict(
+        u=_view_matrix(embeddings, "image_embedding_a"),
+        v=_view_matrix(embeddings, "text_embedding_a"),
+        loss=np.zeros(len(weights), np.float32),
+        prob=np.ones(len(weights), np.float32),
+        alpha_i2t=np.ones(len(weights), np.float32),
+        alpha_t2i=np.ones(len(weights), np.float32),
+    )
+    hashes = embeddings.column("image_sha256").to_pylist()
+    deduplicated = label_in_memory("rcr", spec.params, image_hashes=hashes, **options)
+    np.testing.assert_array_equal(weights, deduplicated.labels.scores["rcr"])
+    rows = label_in_memory("rcr", spec.params, **options).labels.scores["rcr"]
     assert np.abs(weights - rows).max() > 1e-3
 
 
@@ -577,7 +469,7 @@ def test_sps_trainee_view(two_view_run, tmp_path):
     """Partition from view a (the peer), P^ and proxies from view b (the model trained)."""
     import faiss
 
-    from pipeline.core.soft_labels import sps_quasi_clean_label
+    from pipeline.core.labels.sps import sps_quasi_clean_label
 
     run = two_view_run
     common = dict(
@@ -585,20 +477,20 @@ def test_sps_trainee_view(two_view_run, tmp_path):
         round_index=0,
         view="a",
         shards=tuple(run["shards"]),
-        method="sps",
-        sps=SpsParams(eps1=0.7),  # random models: posteriors stay below the default 0.99
+        # random models: posteriors stay below the default eps1 of 0.99
+        labels=LabelsConfig.model_validate({"method": "sps", "sps": {"eps1": 0.7}}),
         query_batch=16,
         job_hash="trainee",
     )
     alone = LabelSpec(**common, out_dir=str(tmp_path / "a"), proxies_dir=str(tmp_path / "pa"))
-    run_label_pass(alone, log=lambda _: None)
+    run_label_pass(alone)
     spec = LabelSpec(
         **common,
         out_dir=str(tmp_path / "ab"),
         proxies_dir=str(tmp_path / "pab"),
         trainee_view="b",
     )
-    summary = run_label_pass(spec, log=lambda _: None)
+    summary = run_label_pass(spec)
     assert summary["trainee_view"] == "b"
     one = _labels_in_id_order(alone.out_dir, run["shards"])
     two = _labels_in_id_order(spec.out_dir, run["shards"])

@@ -7,6 +7,7 @@ on synthetic embeddings in test_label_pass.py.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -108,8 +109,8 @@ def test_reader_schema_and_public_export(labelled_run, tmp_path):
 def test_round_directory_and_view(labelled_run):
     job = labelled_run["job"]
     spec = LabelSpec.from_job(job, round_index=0, view="a", shard_paths=labelled_run["paths"])
-    spec = LabelSpec(**{**spec.__dict__, "method": "cosine", "ground_truth": None})
-    run_label_pass(spec, log=lambda _: None)
+    spec = replace(spec.with_labels(method="cosine"), ground_truth=None)
+    run_label_pass(spec)
     round_dir = RunLayout(job.output).round_dir(0)
     table = read_labels(round_dir, view="a").to_table()
     assert table.num_rows == labelled_run["summary"]["samples"]
