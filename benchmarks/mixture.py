@@ -1,6 +1,6 @@
 """Mixture-fit speed and agreement, measured side by side in one run (BENCHMARKS.md "mixture fit").
 
-On N synthetic per-sample losses (METHODS §1.3: clean Gamma(1.5, 0.4), noisy N(5, 0.6)):
+On N synthetic per-sample losses (docs/methods.md §2.2: clean Gamma(1.5, 0.4), noisy N(5, 0.6)):
   ours      histogram_range + build_histogram + fit_bmm / fit_gmm (and the fit alone on the
             prebuilt histogram, which is what the driver pays once the workers have binned);
   sklearn   GaussianMixture(2, max_iter=10, tol=1e-2, reg_covar=5e-4) (NCR's setting, fixed

@@ -1,8 +1,8 @@
 """Job configuration: YAML in, a frozen, typed `JobConfig` out.
 
-Contract (DESIGN §4.2): the top-level sections and keys below exist; more may be added. Unknown
-keys and bad values fail at load time, before any work, with a `JobConfigError` whose message
-names the dotted key, the bad value and the fix. Overrides use dotted keys
+Contract (docs/architecture.md §4.2): the top-level sections and keys below exist; more may be
+added. Unknown keys and bad values fail at load time, before any work, with a `JobConfigError`
+whose message names the dotted key, the bad value and the fix. Overrides use dotted keys
 (`labels.method=rcr`); their values are parsed as YAML scalars (`train.rounds=0` is an int).
 """
 
@@ -63,7 +63,7 @@ class ModelConfig(_Section):
 
 class EmbedConfig(_Section):
     batch_size: int = Field(
-        256, ge=2, description="Fixed loss batch b (METHODS §1.2): in-batch negatives per sample."
+        256, ge=2, description="Fixed loss batch b (docs/methods.md §1.1): negatives per sample."
     )
     gpus_per_worker: float = Field(
         1.0, ge=0, description="GPUs per embed actor when the cluster has GPUs (ignored on CPU)."

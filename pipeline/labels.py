@@ -1,4 +1,4 @@
-"""Public reader of the soft-label tables (`labels.v1`, DESIGN §4.4).
+"""Public reader of the soft-label tables (`labels.v1`, docs/architecture.md §4.4).
 
 Contract: `read_labels(path)` returns a `pyarrow.dataset.Dataset` over one folder of label
 tables, with the explicit `LABELS_SCHEMA`, after checking that every file declares

@@ -1,4 +1,4 @@
-"""`run_job`: the one place that lists the stages in order (STYLE point 3).
+"""`run_job`: the one place that lists the stages in order (docs/architecture.md §1).
 
 Each stage reads the artifacts named for it and writes only its own directory. Checks that can
 fail cheaply (config, shard patterns, model weights, a conflicting earlier run) run before Ray

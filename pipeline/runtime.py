@@ -1,7 +1,7 @@
 """Starting or joining Ray: the embedded local Ray binds to 127.0.0.1 only.
 
 Contract: `init_ray(None)` starts a private local Ray whose every port listens on loopback
-(STACK.md: Ray's local-only mode, `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`), with usage stats off.
+(Ray's local-only mode, `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`), with usage stats off.
 `init_ray(address)` or `RAY_ADDRESS` joins an existing cluster instead, and then the loopback
 mode is NOT applied: a driver on a cluster node must advertise its real address. The defaults
 go into the environment (without overriding explicit user settings) before Ray is imported,

@@ -1,7 +1,7 @@
-"""JSON exports of the project's contracts, generated from the code (STYLE point 5).
+"""JSON exports of the project's contracts, generated from the code (docs/architecture.md §4.4).
 
 `schemas/job.schema.json` is the job file's JSON Schema, `schemas/labels.v1.json` the label
-table's columns and file metadata (DESIGN §4.4); a test fails when the committed file
+table's columns and file metadata (docs/architecture.md §4.4); a test fails when the committed file
 differs from what this module generates (`ncl-pipeline schemas` rewrites them).
 """
 

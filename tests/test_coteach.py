@@ -31,10 +31,10 @@ def test_sps_schedule_matches_the_reference_epochs():
     assert coteach_phase(3, 8, target="sps").noisy is True  # 0.375 * 8 = 3 despite float error
 
 
-def test_phase_rejects_bad_epochs_and_methods():
+def test_phase_rejects_bad_epochs_and_targets():
     with pytest.raises(ValueError, match="outside"):
         coteach_phase(4, 4)
-    with pytest.raises(ValueError, match="method"):
+    with pytest.raises(ValueError, match="target"):
         coteach_phase(0, 4, target="ncr")
 
 

@@ -1,4 +1,5 @@
-"""kNN search against brute force; sharded == unsharded, ties included (DESIGN §5)."""
+"""kNN search against brute force; sharded == unsharded, ties included
+(docs/architecture.md §4.5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-sample losses against naive references (METHODS §1.2, §7)."""
+"""Per-sample losses against naive references (docs/methods.md §1, §11)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Label-quality and retrieval metrics against brute-force references (METHODS §7)."""
+"""Label-quality and retrieval metrics against brute-force references (docs/methods.md §11)."""
 
 from __future__ import annotations
 

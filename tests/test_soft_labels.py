@@ -173,7 +173,8 @@ def test_bicro_global_separates_clean_from_noisy(blobs):
     np.testing.assert_array_equal(out.labels.subset == CLEAN, is_clean)
     star = out.labels.soft_label
     assert np.all((star == 0) | (star > 0.5)) and np.all(star[star > 0] == raw[star > 0])
-    # The global-vs-in-batch ablation (BENCHMARKS): global anchors are at least as good.
+    # The global-vs-in-batch ablation (README, measured figures): global anchors are at least
+    # as good.
     in_batch = bicro_in_batch_anchors(u, v, loss, is_clean)
     assert roc_auc_score(~is_noisy, raw) >= roc_auc_score(~is_noisy, in_batch["bicro"])
 
@@ -509,3 +510,39 @@ def test_every_registered_method_labels_a_corpus(name, blobs):
     from pipeline.io.labels import LABELS_SCHEMA
 
     assert set(SCORE_COLUMNS) <= set(LABELS_SCHEMA.names)
+
+
+def test_a_new_method_is_one_module_and_one_entry(monkeypatch, blobs):
+    """The worked example of docs/methods.md §4.4: the mixture posterior as the label."""
+    from pipeline.core.labels import LabelMethod
+    from pipeline.core.labels.base import ShardLabels
+    from pipeline.core.partition import NOISY, PartitionDecisions, decide_clean_split
+
+    def decide(count, select, threshold, params):
+        threshold, guard_cut, _, report = decide_clean_split(count, select, threshold=threshold)
+        return PartitionDecisions(threshold=threshold, guard_cut=guard_cut), {"clean_split": report}
+
+    def label_shard(inputs, neighbours, params):
+        return ShardLabels(
+            soft_label=inputs.scalars.prob.astype(np.float32),
+            subset=np.where(inputs.masks.clean, CLEAN, NOISY).astype(np.int8),
+        )
+
+    entry = LabelMethod(
+        name="posterior",
+        decide=decide,
+        index_role=lambda params: None,
+        label_shard=label_shard,
+        score_columns=(),
+        training_target="weights",
+    )
+    monkeypatch.setitem(LABEL_METHODS, "posterior", entry)
+    u, v, is_noisy, loss, _ = blobs
+    prob = np.clip(1.0 - loss, 0, 1).astype(np.float32)
+    prob[3] = np.nan  # a row without a finite loss: the shared rule makes it noisy, label 0
+    out = label_in_memory(
+        "posterior", None, u=u, v=v, loss=loss, prob=prob, shard_sizes=[999, 1001]
+    )
+    expected = np.where(np.isfinite(prob), prob, 0.0)
+    np.testing.assert_array_equal(out.labels.soft_label, expected)
+    assert out.labels.subset[3] == NOISY and out.partition["clean_split"]["n_invalid"] == 1

@@ -1,4 +1,4 @@
-"""Training losses against naive references and their invariants (METHODS §1.7, §4.4, §5.1, §7)."""
+"""Training losses against naive references and their invariants (docs/methods.md §10.5, §11)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _unit(rows: int, dim: int, seed: int, dtype=torch.float32) -> torch.Tensor:
 
 
 def _naive_soft_triplet(u: torch.Tensor, v: torch.Tensor, margins) -> np.ndarray:
-    """Loop form of METHODS §1.7 with the margin of the query's own pair i."""
+    """Loop form of docs/methods.md §10.5 with the margin of the query's own pair i."""
     s = (u.double() @ v.double().T).numpy()
     b = s.shape[0]
     out = np.zeros(b)

@@ -15,7 +15,7 @@ __all__ = ["fixed_size_loss_batches"]
 def fixed_size_loss_batches(
     num_samples: int, batch_size: int, rng: np.random.Generator
 ) -> list[tuple[np.ndarray, int]]:
-    """Split samples into seeded, fixed-size loss batches (METHODS §1.2 rules 1-2).
+    """Split samples into seeded, fixed-size loss batches (docs/methods.md §1.1).
 
     The last batch is filled up to `batch_size` with samples drawn from outside it (without
     replacement), so every scored sample shares its batch with exactly b-1 others. When fewer

@@ -3,11 +3,11 @@
 Contract:
 - `coteach_phase(...)`: the subsets that take part in co-teaching epoch e (0-based over all
   rounds' epochs, E in total). A subset joins at epoch ⌊start·E⌋, so "half the epochs" means
-  the same thing for 1 round of 4 epochs and 4 rounds of 1 (METHODS §2.2 step 5, §4.7).
+  the same thing for 1 round of 4 epochs and 4 rounds of 1 (docs/methods.md §10.4).
 - `training_targets(target, phase, subset, soft_label, proxy_label)`: per-row training targets
   from a label table: the weight of the pair's positive InfoNCE term (or its soft margin), the
   SPS reliable flag (L_cro/L_met rows) and whether the caption is replaced by the SPS proxy
-  caption. A weight of 0 keeps the pair in the batch as a negative only (METHODS §5.1 Eq. 12).
+  caption. A weight of 0 keeps the pair in the batch as a negative only (docs/methods.md §10.5).
 
 Training targets (labels estimated by the peer model; docs/methods.md §10). Each label method
 names its target in `pipeline.core.labels.LABEL_METHODS`:

@@ -10,10 +10,11 @@ Contract:
 - "Exact" scores are recomputed from stored float32 embeddings in float64 and rounded once to
   float32 (`exact_scores`), per pair and independent of batching, so the same pair always gets
   the same bits. An approximate index only proposes candidates; its scores never leave here
-  once a shard holds its vectors (METHODS §2.5 step 6, §5.3 step 3).
+  once a shard holds its vectors (docs/methods.md §4.2).
 - `IndexShard.search` over an exact (`Flat`) index returns the shard's exact canonical top-k,
   ties included: it widens its FAISS query until no unseen vector can reach the k-th exact score.
-  Hence `merge_topk` over disjoint shards equals the unsharded top-k bit for bit (DESIGN §5).
+  Hence `merge_topk` over disjoint shards equals the unsharded top-k bit for bit
+  (docs/architecture.md §4.5).
 - The GPU is a runtime argument, not a code path (faiss contrib style): `ngpu=-1` uses every GPU
   `faiss.get_num_gpus()` reports, `ngpu=0` forces CPU; the same calls run either way.
 """
@@ -370,7 +371,7 @@ def rescore(
     database: np.ndarray | EmbeddingLookup,
     ids: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Replace approximate scores by exact ones and re-sort (METHODS §2.5 step 6, §5.3 step 3).
+    """Replace approximate scores by exact ones and re-sort (docs/methods.md §4.2).
 
     Args:
         queries: (Q, D) float32 query embeddings.

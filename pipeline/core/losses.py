@@ -1,4 +1,4 @@
-"""Per-sample contrastive losses (METHODS §1.2): pure torch, no Ray, no I/O.
+"""Per-sample contrastive losses (docs/methods.md §1): pure torch, no Ray, no I/O.
 
 Contract:
 - `infonce_per_sample` returns the image->text and text->image InfoNCE loss of every pair of a
@@ -6,7 +6,7 @@ Contract:
   100 never overflows (the references' exp-then-divide form does).
 - `triplet_per_sample` is BiCro/NCR's mean-hinge triplet loss (margin 0.2, the mean divides by
   b because the zeroed diagonal is included).
-- `fixed_size_loss_batches` is the batching rule of METHODS §1.2 [I]: a seeded permutation cut
+- `fixed_size_loss_batches` is the batching rule of docs/methods.md §1.1: a seeded permutation cut
   into batches of exactly b, the remainder batch filled with other samples whose losses are
   discarded, so every loss sees the same number of negatives.
 """

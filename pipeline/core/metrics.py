@@ -204,7 +204,7 @@ def similarity_for_eval(
     """Cross-modal similarity matrix used for retrieval evaluation.
 
     With one network it is S = u vᵀ; with the co-teaching pair A, B it is (S_A + S_B)/2, the
-    inference rule of BiCro / NCR / SPS (METHODS §1.8).
+    inference rule of BiCro / NCR / SPS (docs/methods.md §9.4).
 
     Args:
         image_emb_a: (n_images, D) L2-normalised image embeddings of network A.

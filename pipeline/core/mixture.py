@@ -1,4 +1,4 @@
-"""Two-component loss mixtures (BMM, GMM) fitted on a histogram (METHODS §1.3-1.5): pure numpy.
+"""Two-component loss mixtures (BMM, GMM) fitted on a histogram (docs/methods.md §2): pure numpy.
 
 Contract:
 - The fit never sees per-sample data. It runs on a `LossHistogram`, so one EM iteration costs
@@ -9,13 +9,13 @@ Contract:
      the results with `merge_histograms` (integer counts add exactly) and calls `fit_bmm` or
      `fit_gmm` (or `MIXTURES[kind]`) once.
   `clean_posterior(fit, losses)` then runs on each worker again, per sample and exactly.
-- Normalisation is global min-max with a floor on the range (§1.3 [I]):
+- Normalisation is global min-max with a floor on the range (docs/methods.md §2.2):
   x = (loss - lo) / max(hi - lo, 1e-12 * max(1, |hi|)). When the range is below that floor (all
   losses equal, or a single sample; also a histogram with fewer than two occupied bins) the fit
   is skipped, the result carries `no_spread=True` and every finite loss gets clean probability
   1. Arazo's 5/95 percentile trimming is not implemented: it needs a quantile sketch across
   shards and measured worse at 60-80 % noise.
-- Non-finite losses (NaN, +-inf; §1.2 rule 4) never enter a histogram; they are counted in
+- Non-finite losses (NaN, +-inf; docs/methods.md §1.5) never enter a histogram; they are counted in
   `n_nonfinite`, and `clean_posterior` returns NaN for them so the caller records the reason.
   For finite input the posterior is always finite and in [0, 1].
 - BMM follows the BetaMixture1D reference (10 iterations, init a=(1,2), b=(2,1), pi=(.5,.5),
@@ -53,7 +53,7 @@ __all__ = [
     "clean_posterior",
 ]
 
-DEFAULT_BINS = 4096  # 1000 bins already match the exact fit to 3 decimals (METHODS §1.4)
+DEFAULT_BINS = 4096  # 1000 bins already match the exact fit to 3 decimals (docs/methods.md §2.1)
 RANGE_FLOOR = 1e-12  # relative floor on max - min before the fit counts as "no loss spread"
 BMM_CLAMP = 1e-4  # the Beta EM breaks at exactly 0 or 1 (reference `fit` clamp)
 RESP_FLOOR = 1e-12  # reference floor on pi_k * Beta(x) before normalising responsibilities
@@ -83,7 +83,7 @@ class LossHistogram:
     lo: float  # global minimum of the finite raw losses (not of this shard)
     hi: float  # global maximum of the finite raw losses
     n: int  # finite losses counted, == counts.sum()
-    n_nonfinite: int  # NaN/inf losses seen and left out (METHODS §1.2 rule 4)
+    n_nonfinite: int  # NaN/inf losses seen and left out (docs/methods.md §1.5)
     loss_sum: float  # sum of the finite raw losses, for the mean loss in diagnostics
 
     def __post_init__(self) -> None:
@@ -103,7 +103,7 @@ class LossHistogram:
 
 
 def _scale(lo: float, hi: float) -> float:
-    """Denominator of the min-max normalisation, floored (§1.3 [I])."""
+    """Denominator of the min-max normalisation, floored (docs/methods.md §2.2)."""
     return max(hi - lo, RANGE_FLOOR * max(1.0, abs(hi)))
 
 
@@ -154,7 +154,7 @@ def build_histogram(
 
     Args:
         losses: (N,) float raw per-sample losses. NaN/inf are counted in `n_nonfinite` and left
-            out (METHODS §1.2 rule 4).
+            out (docs/methods.md §1.5).
         lo: global minimum of the finite losses over every shard (`merge_ranges`).
         hi: global maximum, `hi >= lo`.
         bins: number of bins H (>= 2).
@@ -231,7 +231,7 @@ def merge_histograms(a: LossHistogram, b: LossHistogram) -> LossHistogram:
 
 
 def normalise_losses(losses: np.ndarray, lo: float, hi: float) -> np.ndarray:
-    """Global min-max normalisation with the range floor of §1.3 [I].
+    """Global min-max normalisation with the range floor of docs/methods.md §2.2.
 
     Args:
         losses: (N,) float raw losses.
@@ -436,7 +436,7 @@ def fit_bmm(
     monotone: bool = True,
     init: tuple[Sequence[float], Sequence[float], Sequence[float]] | None = None,
 ) -> MixtureFit:
-    """Binned two-component Beta mixture, BetaMixture1D with the METHODS §1.4 [I] fixes.
+    """Binned two-component Beta mixture, BetaMixture1D with the fixes of docs/methods.md §2.3.
 
     Bin centres are clamped to [1e-4, 1 - 1e-4]; exactly `max_iters` EM iterations run (no
     convergence test, as the reference: more iterations can merge the components) unless the
@@ -446,7 +446,7 @@ def fit_bmm(
         hist: merged histogram of the whole corpus.
         max_iters: EM iterations (reference: 10).
         monotone: let `clean_posterior` enforce a clean posterior non-increasing in loss past
-            its peak (default on, §1.4 [I]).
+            its peak (default on, docs/methods.md §2.5).
         init: ((a0, a1), (b0, b1), (pi0, pi1)); default the reference's ((1, 2), (2, 1),
             (.5, .5)). For tests and warm starts.
 
@@ -580,7 +580,8 @@ def fit_gmm(
     monotone: bool = False,
     init: tuple[Sequence[float], Sequence[float], Sequence[float]] | None = None,
 ) -> MixtureFit:
-    """Binned two-component 1-D Gaussian mixture, sklearn's EM made deterministic (§1.5 [I]).
+    """Binned two-component 1-D Gaussian mixture, sklearn's EM made deterministic
+    (docs/methods.md §2.4).
 
     Initialisation: hard assignment by the optimal 2-means split of the histogram (scanned over
     bin boundaries), then one M-step, as sklearn does after k-means. Every M-step adds
@@ -715,7 +716,7 @@ def _monotone_envelope(
     grid_hi: float,
     peak_limit: float,
 ) -> Callable[[np.ndarray], np.ndarray]:
-    """Clean posterior made non-increasing in x from its peak onwards (§1.4 [I]).
+    """Clean posterior made non-increasing in x from its peak onwards (docs/methods.md §2.5).
 
     The posterior is evaluated on a grid of MONOTONE_GRID points; its peak j* is searched at or
     below `peak_limit` (the noisy component's mean), so a Beta tail that lifts the clean
@@ -751,7 +752,7 @@ def clean_posterior(
     """Per-sample probability of the clean (smaller-mean) component, exact and vectorised.
 
     Raw losses are normalised with the fit's (lo, hi); BMM clamps x to [1e-4, 1 - 1e-4] like
-    its fit, so the minimum loss is no longer NaN (§1.4 [B]); its posterior keeps the
+    its fit, so the minimum loss is no longer NaN (docs/methods.md §2.5); its posterior keeps the
     reference's 1e-12 in the denominator. GMM uses log-densities and logaddexp like sklearn's
     `predict_proba`. With the monotone fix on (BMM default), see `_monotone_envelope`; GMM
     then clamps x to [0, 1] so samples outside the fitted range get the value at its edge.

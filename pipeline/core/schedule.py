@@ -1,4 +1,4 @@
-"""Training schedules as pure functions: learning rate and the adaptive warm-up (METHODS §2.2).
+"""Training schedules, pure: learning rate and the adaptive warm-up (docs/methods.md §10.2).
 
 Contract:
 - `cosine_lr` is linear warm-up to `base_lr` over `warmup_steps`, then cosine decay to

@@ -6,16 +6,17 @@ Contract:
   CLIP's logit scale of 100 never overflows. The result is a float32 scalar with autograd intact
   (embeddings and a tensor `logit_scale` both receive gradients); per-sample labels, margins and
   weights are constants (detached).
-- The per-sample InfoNCE terms come from `pipeline.core.losses.infonce_per_sample` (METHODS
-  §1.2a); this module only reduces them.
-- `select_small_loss`: BiCro's warm-up selection (METHODS §2.2), the ⌊ratio·B⌋ lowest losses.
+- The per-sample InfoNCE terms come from `pipeline.core.losses.infonce_per_sample`
+  (docs/methods.md §1.2); this module only reduces them.
+- `select_small_loss`: BiCro's warm-up selection (docs/methods.md §10.2), the ⌊ratio·B⌋
+  lowest losses.
 - `symmetric_infonce` / `weighted_infonce`: CLIP's loss and its per-pair weighted form
-  (METHODS §5.1 Eq. 12, §6). A weight scales only the pair's own positive term; the pair stays
+  (docs/methods.md §10.5). A weight scales only the pair's own positive term; the pair stays
   a negative in every other row and column.
 - `soft_margin` / `soft_margin_triplet`: NCR/BiCro's soft-margin VSE++ hardest-negative triplet
-  (METHODS §1.7), with the margin indexed by each query's own pair in both directions (the
+  (docs/methods.md §10.5), with the margin indexed by each query's own pair in both directions (the
   references' broadcasting bug fixed).
-- `sps_consistency_losses`: SPS's stable-space constraints L_cro and L_met (METHODS §4.4).
+- `sps_consistency_losses`: SPS's stable-space constraints L_cro and L_met (docs/methods.md §10.5).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def select_small_loss(per_sample_loss: torch.Tensor, ratio: float = 0.3) -> torc
 
     Args:
         per_sample_loss: (B,) float, e.g. `triplet_per_sample` of the batch.
-        ratio: fraction kept, in (0, 1]; BiCro's scripts use 0.3 (METHODS §2.2).
+        ratio: fraction kept, in (0, 1]; BiCro's scripts use 0.3 (docs/methods.md §10.2).
 
     Returns:
         (B,) bool mask on the loss's device, exactly k = max(1, ⌊ratio·B⌋) True (0 when B = 0).
@@ -91,11 +92,11 @@ def weighted_infonce(
     logit_scale: float | torch.Tensor,
     weights: torch.Tensor,
 ) -> torch.Tensor:
-    """Per-pair weighted InfoNCE, (1/B) Σ_i w_i·½(ℓ^{i2t}_i + ℓ^{t2i}_i) (METHODS §5.1 Eq. 12).
+    """Per-pair weighted InfoNCE, (1/B) Σ_i w_i·½(ℓ^{i2t}_i + ℓ^{t2i}_i) (docs/methods.md §10.5).
 
     A weight touches only the pair's own terms ℓ^{i2t}_i and ℓ^{t2i}_i. Weight 0 removes the
     pair's positive term, but its text and image stay in the denominators of every other row
-    and column as negatives. The mean divides by B, not Σw (METHODS §5.1: as NPC does; a
+    and column as negatives. The mean divides by B, not Σw (docs/methods.md §10.5: as NPC does; a
     down-weighted batch takes a smaller step). All weights 1 give `symmetric_infonce`.
 
     Args:
@@ -132,7 +133,8 @@ def _sin_margin(labels: torch.Tensor, alpha: float, m: float) -> torch.Tensor:
     return alpha * (torch.sin(math.pi * labels - math.pi / 2) / 2 + 0.5)
 
 
-# name -> α̂(y; α, m); all map y = 0 to 0 and y = 1 to α (METHODS §1.7, BiCro `--soft_margin`).
+# name -> α̂(y; α, m); all map y = 0 to 0 and y = 1 to α
+# (docs/methods.md §10.5, BiCro `--soft_margin`).
 SOFT_MARGINS: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = {
     "exponential": _exponential_margin,
     "linear": _linear_margin,
@@ -143,7 +145,7 @@ SOFT_MARGINS: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = 
 def soft_margin(
     labels: torch.Tensor, alpha: float = 0.2, kind: str = "exponential", m: float = 10.0
 ) -> torch.Tensor:
-    """Soft triplet margin α̂ of each pair from its correspondence label (METHODS §1.7).
+    """Soft triplet margin α̂ of each pair from its correspondence label (docs/methods.md §10.5).
 
     exponential: α(m^y − 1)/(m − 1) (BiCro Eq. 2, the default, m = 10); linear: α·y;
     sin: α(sin(πy − π/2)/2 + 1/2). Each gives α̂(0) = 0 and α̂(1) = α.
@@ -178,7 +180,8 @@ def soft_margin_triplet(
     α̂_i belongs to the QUERY's own pair in both directions: a (B, 1) margin over the
     image->text cost matrix (rows are the query images) and a (1, B) margin over the
     text->image one (columns are the query texts). The references broadcast a (B,) margin over
-    both, which indexes the image->text costs by the negative caption instead (METHODS §1.7).
+    both, which indexes the image->text costs by the negative caption instead
+    (docs/methods.md §10.5).
 
     Args:
         image_emb: (B, D) L2-normalised image embeddings.
@@ -219,7 +222,7 @@ def sps_consistency_losses(
     margin: float = 0.0,
     squared: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SPS's stable-space constraints on a reliable batch (METHODS §4.4).
+    """SPS's stable-space constraints on a reliable batch (docs/methods.md §10.5).
 
     L_cro = mean_{i,j} h(S(I_i,T_j) − S(I_j,T_i)): asymmetry of the cross-modal similarity
     matrix. L_met = mean_{i,j} h(S(I_i,I_j) − S(T_i,T_j)): disagreement of the image-image and

@@ -1,6 +1,6 @@
 """Noisy demo corpus generator: procedurally drawn scenes in the img2dataset layout.
 
-Contract (DESIGN §4.1 and §6; file names and ground-truth columns are a contract):
+Contract (docs/architecture.md §4.1 and §6; file names and ground-truth columns are a contract):
 
 ``make_corpus(out_dir, ...)`` writes::
 

@@ -1,4 +1,5 @@
-"""The soft-label table `labels.v1` (DESIGN §4.4): its one explicit schema and its JSON export.
+"""The soft-label table `labels.v1` (docs/architecture.md §4.4): its one explicit schema and
+its JSON export.
 
 Contract:
 - `LABELS_SCHEMA` is the only definition of the label table. The label pass writes every file
@@ -34,7 +35,7 @@ __all__ = [
 LABELS_SCHEMA_NAME = "labels.v1"
 SUBSET_VALUES = ("clean", "quasi_clean", "noisy")  # `subset` dictionary values
 
-# (name, type, nullable, description): the table of DESIGN §4.4, in column order.
+# (name, type, nullable, description): the table of docs/architecture.md §4.4, in column order.
 _COLUMNS: tuple[tuple[str, pa.DataType, bool, str], ...] = (
     ("key", pa.string(), False, "img2dataset key, unique in the corpus"),
     ("shard", pa.string(), False, "tar shard basename, e.g. 00042"),
@@ -113,7 +114,8 @@ def labels_file_metadata(
     mixture: Mapping[str, Any],
     extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The file-level metadata of one label table (DESIGN §4.4), as Parquet key/value strings.
+    """The file-level metadata of one label table (docs/architecture.md §4.4), as Parquet
+    key/value strings.
 
     Args:
         pipeline_version: `pipeline.__version__`.
@@ -139,7 +141,7 @@ def labels_json_schema() -> dict[str, Any]:
         "title": LABELS_SCHEMA_NAME,
         "description": (
             "Soft correspondence labels, one Parquet file per input shard under <output>/labels/ "
-            "(DESIGN §4.4). Written with exactly these columns, in this order."
+            "(docs/architecture.md §4.4). Written with exactly these columns, in this order."
         ),
         "columns": [
             {

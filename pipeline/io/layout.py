@@ -1,4 +1,5 @@
-"""The run directory (DESIGN §4.3): one place that names every path a stage reads or writes.
+"""The run directory (docs/architecture.md §4.3): one place that names every path a stage
+reads or writes.
 
 Contract paths: `labels/<shard>.parquet`, `quarantine/<shard>.parquet`, `metrics.json`,
 `manifest.json`, `report/`. Everything under `rounds/<r>/` is intermediate and may change.
@@ -71,7 +72,7 @@ class RunLayout:
 
     def index_dir(self, round_index: int, view: str) -> str:
         """FAISS index shards of `view`'s label pass (`<role>_<modality>_<shard>.faiss`) and
-        `_index.json` describing them (DESIGN §2, barrier 3)."""
+        `_index.json` describing them (docs/architecture.md §2)."""
         return self._join("rounds", round_index, f"index_{view}")
 
     def checkpoint_dir(self, round_index: int, view: str) -> str:

@@ -1,6 +1,6 @@
 """Reading img2dataset WebDataset tar shards: shard patterns, streaming members, safe decoding.
 
-Contract (DESIGN.md §4.1, §7):
+Contract (docs/architecture.md §4.1):
 
 * **Shard specs.** :func:`expand_shard_patterns` accepts brace patterns
   (``/d/{00000..00331}.tar``, ``{a,b}``, nested), globs (``*``, ``?``, ``[..]``) on local paths
@@ -492,7 +492,7 @@ class DecodedSample:
     url: str | None  # from the sample's json "url" when present
     meta: dict[str, Any]  # the parsed json object, {} when the sample has no json
     # hex sha256 of the image member's raw bytes (as stored in the tar): identical files, the
-    # same image (RCR ranks unique images, METHODS §5.3 step 4); "" when not computed.
+    # same image (RCR ranks unique images, docs/methods.md §6.3); "" when not computed.
     image_sha256: str = ""
 
 

@@ -5,7 +5,7 @@ Contract:
 - `write_table_atomic` writes to a temporary name beside the target and renames it, so a file
   under its final name is always complete: its presence is the completion marker that reruns
   use to skip work. A crash leaves only `*.tmp-*` debris, which reruns overwrite.
-- The quarantine table (DESIGN §4.3) has `key, shard, member, reason` (+ `detail`).
+- The quarantine table (docs/architecture.md §4.3) has `key, shard, member, reason` (+ `detail`).
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ def embedding_schema(
 ) -> pa.Schema:
     """Schema of `rounds/<r>/embeddings/<shard>.parquet`.
 
-    Embeddings are fp16 fixed-size lists (DESIGN §5: ~13 GB for CC3M, two views); scalars are
-    float32. Column names are `<column>_<view>`, e.g. `loss_i2t_a`. `image_sha256` (hex sha256
+    Embeddings are fp16 fixed-size lists (docs/architecture.md §4.5: ~13 GB for CC3M, two
+    views); scalars are float32. Column names are `<column>_<view>`, e.g. `loss_i2t_a`.
+    `image_sha256` (hex sha256
     of the image member's bytes in the tar) lets RCR rank unique images; `image_sha256=False`
     gives the schema of tables written before it existed (readers must accept both).
     """

@@ -11,8 +11,8 @@ Contract:
       always stay fp32; reduced precision is applied with autocast in :func:`encode_pairs`, so
       anything computed from the outputs (losses, cosines) is fp32.
     * :func:`encode_pairs` returns L2-normalised float32 embeddings and the CLIP temperature.
-    * Checkpoints are read with ``torch.load(weights_only=True)`` only (DESIGN §7): a file that
-      needs arbitrary unpickling is refused, never executed.
+    * Checkpoints are read with ``torch.load(weights_only=True)`` only (docs/architecture.md
+      §4.1): a file that needs arbitrary unpickling is refused, never executed.
 
 Importing this module registers ``pipeline/models/model_configs/*.json`` with open_clip, so
 names such as ``"ncl-tiny"`` work in every process (driver and Ray workers) that imports it.
@@ -698,7 +698,8 @@ def save_checkpoint_state_dict(model: torch.nn.Module, path: str | os.PathLike[s
     """Writes ``model.state_dict()`` atomically (temp file + fsync + rename).
 
     Tensors are moved to CPU first so the file loads on any machine. A reader sees either the
-    old file or the complete new one, never a partial write (DESIGN §7). The result loads with
+    old file or the complete new one, never a partial write (docs/architecture.md §4.1). The
+    result loads with
     ``torch.load(weights_only=True)`` and therefore with :func:`load_clip`.
 
     Args:

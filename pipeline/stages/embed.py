@@ -1,4 +1,5 @@
-"""Embed pass: shards -> per-shard embeddings, cosines and per-sample losses (DESIGN §2, barrier 1).
+"""Embed pass: shards -> per-shard embeddings, cosines and per-sample losses
+(docs/architecture.md §2).
 
 Contract:
 - Unit of work: one tar shard. `EmbedShardStage` is a Ray Data callable class; each input row
@@ -7,12 +8,12 @@ Contract:
 - Per shard it writes `quarantine/<shard>.parquet` first (when asked to), then the embeddings
   table, atomically; the embeddings file is the shard's completion marker, so a rerun skips
   shards whose file exists and recomputes the rest.
-- Losses follow METHODS §1.2: embeddings are computed per sample, then losses on seeded,
+- Losses follow docs/methods.md §1: embeddings are computed per sample, then losses on seeded,
   fixed-size batches of `batch_size` within the shard (remainder batch filled with other
   samples of the shard whose losses are discarded).
 - Each row carries `image_sha256`, the hex sha256 of its image member's bytes as stored in the
   tar (hashed while decoding, so no second read): byte-identical images share it, which is how
-  RCR de-duplicates images (METHODS §5.3 step 4).
+  RCR de-duplicates images (docs/methods.md §6.3).
 
 Why a shard per call: the output is per shard (atomic, resumable, one quarantine file per
 shard) and a shard's samples stay together, so no shuffle or group-by is needed. Decoding runs

@@ -7,7 +7,7 @@ Contract:
   per-sample data reaches the driver (except the ground-truth quality arrays of the demo).
   How the two views combine (documented in the README):
   - soft_label, clean_prob, loss, cosine, bicro, rcr, sps: the mean of the two views (the test
-    time rule of co-teaching, which averages the two models' similarities; METHODS §1.8);
+    time rule of co-teaching, which averages the two models' similarities; docs/methods.md §9.4);
   - subset: the more cautious of the two (clean only when both views say clean; noisy when
     either says noisy);
   - image_anchor_key / text_anchor_key: view a's; round: the round both views come from.

@@ -324,7 +324,7 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def _label_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, weight, reliable):
-    """Co-teaching objective on the peer's labels (METHODS §1.7, §4.4, §5.1 Eq. 12)."""
+    """Co-teaching objective on the peer's labels (docs/methods.md §10.5)."""
     if spec.label_loss == "soft_margin_triplet":
         # Averaged rather than summed as in the references, so one LR fits both losses.
         margins = soft_margin(weight)

@@ -46,7 +46,7 @@ _MIN_DISTANCE = 1e-2
 
 
 def fold(a, b, eps: float = 1e-6) -> np.ndarray:
-    """BiCro's consistency fold (METHODS §2.5 step 6), elementwise.
+    """BiCro's consistency fold (docs/methods.md §5.3), elementwise.
 
     fold(A, B) = 0 if min(A, B) <= eps, else min(A, B) / max(A, B). Unlike the reference
     (`SIM_SELE`), two negative inputs give 0, not a positive ratio, and 0/0 cannot occur.
@@ -95,7 +95,7 @@ def bicro_labels(
     ratio: str = "similarity",
     eps: float = 1e-6,
 ) -> dict[str, np.ndarray]:
-    """BiCro soft labels of a block of pairs given their nearest anchors (METHODS §2.5 6-8).
+    """BiCro labels of pairs given their nearest anchors (docs/methods.md §5.3-§5.4).
 
     Image side: a* is the anchor whose image is nearest to u_i; A = u_i.u_a*, B = v_i.v_a*.
     Text side: b* is the anchor whose text is nearest to v_i; A' = v_i.v_b*, B' = u_i.u_b*.
@@ -161,7 +161,7 @@ def bicro_in_batch_anchors(
     ratio: str = "similarity",
     eps: float = 1e-6,
 ) -> dict[str, np.ndarray]:
-    """BiCro's released per-batch anchors (METHODS §2.2 step 4), labels aligned to samples.
+    """BiCro's released per-batch anchors (docs/methods.md §5.6), labels aligned to samples.
 
     The clean set is shuffled (seeded) into batches of `batch_size` (the last may be short);
     in each, the floor(b/10) + 1 lowest-loss pairs (ties by id) are the anchors, and every pair
@@ -196,7 +196,7 @@ def bicro_in_batch_anchors(
     if not is_clean.any():
         raise ValueError(
             "in-batch BiCro needs clean pairs to anchor on; apply the partition's fallback "
-            "(METHODS §1.6) first."
+            "(docs/methods.md §3.2) first."
         )
     rng = np.random.default_rng(seed)
 

@@ -120,7 +120,7 @@ def ndcg_at_k(
     include_self: bool = True,
     group_ids: np.ndarray | EmbeddingLookup | None = None,
 ) -> dict[str, np.ndarray]:
-    """One direction of RCR's NDCG@K (METHODS §5.1 Eq. 9-10, §5.2 guards, §5.3 step 4).
+    """One direction of RCR's NDCG@K (docs/methods.md §6.2-§6.4).
 
     Text direction: order_queries = u (image queries texts), gain_queries = v, database = texts.
     The actual list ranks `actual_ids` by S(order_query, .); the ideal list ranks `ideal_ids` by
@@ -139,7 +139,7 @@ def ndcg_at_k(
             `include_self` is False.
         include_self: keep the query's own item (its row, or its group) in both lists.
         group_ids: (N,) int64 group of every database id (or a lookup): only the first item of
-            a group counts (image de-duplication, §5.3 step 4); None ranks rows.
+            a group counts (image de-duplication, docs/methods.md §6.3); None ranks rows.
 
     Returns:
         dict: "ndcg" (Q,) float32 in [0, 1] (NaN for NaN queries), "k_eff" (Q,) int64,
@@ -190,7 +190,7 @@ def rcr_ndcg(
     include_self: bool = True,
     image_group_ids: np.ndarray | EmbeddingLookup | None = None,
 ) -> dict[str, np.ndarray]:
-    """RCR rank-consistency weights of a block of pairs (METHODS §5.1 Eq. 9-11, §5.3).
+    """RCR rank-consistency weights of a block of pairs (docs/methods.md §6.2).
 
     NDCG_txt: texts retrieved by the image (i2t) scored by their similarity to the pair's own
     text, against the text's own top-K texts (t2t). NDCG_img: images retrieved by the text (t2i)
@@ -239,7 +239,7 @@ def rcr_ndcg(
 
 
 def rcr_weights(w: np.ndarray, in_c: np.ndarray) -> np.ndarray:
-    """RCR training weight w~ = w * 1[i in C] (METHODS §5.1 Eq. 12), (N,) float32."""
+    """RCR training weight w~ = w * 1[i in C] (docs/methods.md §6.2), (N,) float32."""
     return np.where(np.asarray(in_c, dtype=bool), np.asarray(w, dtype=np.float32), 0.0).astype(
         np.float32
     )

@@ -55,7 +55,7 @@ PROXY_COLUMNS = (
 
 
 def sps_quasi_clean_label(p: np.ndarray, loss_i2t: np.ndarray, loss_t2i: np.ndarray) -> np.ndarray:
-    """SPS/CREAM quasi-clean label (METHODS §4.5, §4.9 step 2).
+    """SPS/CREAM quasi-clean label (docs/methods.md §7.2).
 
     P^ = (exp(-l_i2t) + exp(-l_t2i)) / 2 (the model's in-batch match probability, recovered
     from the eval-pass InfoNCE losses), clamped to [0, 1]; y = p + (1 - p) P^, clamped to [0, 1].
@@ -83,7 +83,7 @@ def proxy_match_probability(
     batch_size: int = 128,
     seed: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """In-batch match probabilities of proxy pairs, duplicate proxies masked (METHODS §4.8 fix).
+    """In-batch match probabilities of proxy pairs, duplicate proxies masked (docs/methods.md §7.3).
 
     Pairs are cut into fixed-size batches (`fixed_size_loss_batches`: seeded, the short tail
     filled with other pairs whose outputs are dropped). Pairs carrying the same proxy id share
@@ -168,7 +168,7 @@ def _proxy_direction(
         match[found] = 0.5 * (p_i2t.astype(np.float64) + p_t2i)
     similarity = np.where(found, similarity, 0.0)
     label = gamma * match * similarity
-    # Zero below beta (the reference's cutoff), and for S <= 0 explicitly (§4.9 step 5).
+    # Zero below beta (the reference's cutoff), and for S <= 0 explicitly (docs/methods.md §7.3).
     label = np.where((label < beta) | (similarity <= 0.0) | ~found, 0.0, label)
     label = np.where(np.isnan(similarity), np.nan, label)
     return {
@@ -194,7 +194,7 @@ def sps_proxy_labels(
     batch_size: int = 128,
     seed: int = 0,
 ) -> dict[str, np.ndarray]:
-    """SPS proxy labels of noisy pairs, both directions (METHODS §4.6, §4.9 steps 3 and 5).
+    """SPS proxy labels of noisy pairs, both directions (docs/methods.md §7.3).
 
     Image direction: İ is the reliable pair whose image is nearest to the noisy image I_n, Ṫ its
     caption; y_p = gamma * P^(I_n, Ṫ) * S(I_n, İ), with P^ the bidirectional in-batch match
