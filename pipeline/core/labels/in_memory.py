@@ -71,6 +71,46 @@ def _concat(parts: list[ShardLabels]) -> ShardLabels:
     )
 
 
+def _decide(entry, params, scalars: ShardScalars, threshold: float, fetch_limit: int):
+    """The method's decisions with the radix select over the one in-memory shard."""
+    count = partition_counts(
+        scalars,
+        threshold=threshold,
+        sps_eps1=getattr(params, "eps1", None),
+        sps_eps2=getattr(params, "eps2", None),
+        rcr_delta=getattr(params, "delta", None),
+    )
+
+    def select(what, k, in_play, decisions=None, with_id=True):
+        keys, ids = selection_rows(scalars, what, decisions)
+        return radix_select(
+            lambda prefix, fetch: [select_round(keys, ids, prefix, fetch)],
+            k,
+            in_play,
+            with_id=with_id,
+            fetch_limit=fetch_limit,
+        )
+
+    return entry.decide(count, select, threshold, params)
+
+
+def _neighbours(role, masks, u, v, ids, keys, captions, image_hashes, layout):
+    """In-process stores over the role's rows (None when the method searches nothing)."""
+    if role is None:
+        return None
+    n = ids.size
+    stored = {
+        "keys": np.asarray([str(i) for i in ids] if keys is None else keys, dtype=object),
+        "captions": np.asarray([None] * n if captions is None else captions, dtype=object),
+        "groups": image_groups(image_hashes, ids),
+    }
+    finite = np.isfinite(u).all(axis=1) & np.isfinite(v).all(axis=1)
+    rows = np.flatnonzero(role.rows(masks) & finite)
+    part = {"ids": ids[rows], "u": u[rows], "v": v[rows]}
+    part.update({name: stored[name][rows] for name in role.fields})
+    return build_local_neighbours([part], dim=u.shape[1], **layout)
+
+
 def label_in_memory(
     method: str,
     params,
@@ -120,54 +160,38 @@ def label_in_memory(
     n = u.shape[0]
     ids = np.arange(n, dtype=np.int64)
     zeros = np.zeros(n, dtype=np.float32)
+
+    def floats(values):
+        return None if values is None else np.asarray(values, dtype=np.float32)
+
     scalars = ShardScalars(
         ids=ids,
-        loss=np.asarray(loss, dtype=np.float32),
-        loss_i2t=zeros if loss_i2t is None else np.asarray(loss_i2t, np.float32),
-        loss_t2i=zeros if loss_t2i is None else np.asarray(loss_t2i, np.float32),
-        prob=np.asarray(prob, dtype=np.float32),
-        alpha_i2t=None if alpha_i2t is None else np.asarray(alpha_i2t, np.float32),
-        alpha_t2i=None if alpha_t2i is None else np.asarray(alpha_t2i, np.float32),
+        loss=floats(loss),
+        loss_i2t=zeros if loss_i2t is None else floats(loss_i2t),
+        loss_t2i=zeros if loss_t2i is None else floats(loss_t2i),
+        prob=floats(prob),
+        alpha_i2t=floats(alpha_i2t),
+        alpha_t2i=floats(alpha_t2i),
     )
-    count = partition_counts(
-        scalars,
-        threshold=threshold,
-        sps_eps1=getattr(params, "eps1", None),
-        sps_eps2=getattr(params, "eps2", None),
-        rcr_delta=getattr(params, "delta", None),
-    )
-
-    def select(what, k, in_play, decisions=None, with_id=True):
-        keys_, ids_ = selection_rows(scalars, what, decisions)
-        return radix_select(
-            lambda prefix, fetch: [select_round(keys_, ids_, prefix, fetch)],
-            k,
-            in_play,
-            with_id=with_id,
-            fetch_limit=fetch_limit,
-        )
-
-    decisions, partition = entry.decide(count, select, threshold, params)
+    decisions, partition = _decide(entry, params, scalars, threshold, fetch_limit)
     masks = shard_masks(scalars, decisions)
-    finite = np.isfinite(u).all(axis=1) & np.isfinite(v).all(axis=1)
-    role = entry.index_role(params)
-    neighbours = None
-    if role is not None:
-        rows = np.flatnonzero(role.rows(masks) & finite)
-        part = {"ids": ids[rows], "u": u[rows], "v": v[rows]}
-        stored = {
-            "keys": np.asarray([str(i) for i in ids] if keys is None else keys, dtype=object),
-            "captions": np.asarray([None] * n if captions is None else captions, dtype=object),
-            "groups": image_groups(image_hashes, ids),
-        }
-        part.update({name: stored[name][rows] for name in role.fields})
-        neighbours = build_local_neighbours(
-            [part], stores=index_stores, dim=u.shape[1], factory=factory, nprobe=nprobe, seed=seed
-        )
+    neighbours = _neighbours(
+        entry.index_role(params),
+        masks,
+        u,
+        v,
+        ids,
+        keys,
+        captions,
+        image_hashes,
+        dict(stores=index_stores, factory=factory, nprobe=nprobe, seed=seed),
+    )
     bounds = np.cumsum([0] + list(shard_sizes or [n]))
+    shards = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    seeds = shard_seeds or [seed + index for index in range(len(shards))]
+    shared = dict(logit_scale=logit_scale, image_dedup=image_hashes is not None)
     parts = []
-    for index, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-        rows = slice(int(start), int(stop))
+    for rows, shard_seed in zip(shards, seeds, strict=True):
         inputs = ShardInputs(
             scalars=_rows(scalars, rows),
             masks=_rows(masks, rows),
@@ -175,10 +199,9 @@ def label_in_memory(
             v=v[rows],
             loss_i2t=scalars.loss_i2t[rows],
             loss_t2i=scalars.loss_t2i[rows],
-            seed=(shard_seeds[index] if shard_seeds else seed + index),
-            logit_scale=logit_scale,
-            image_dedup=image_hashes is not None,
+            seed=shard_seed,
             query_batch=query_batch,
+            **shared,
         )
         parts.append(label_shard(entry, inputs, neighbours, params))
         masks.anchor[rows] = inputs.masks.anchor  # in-batch anchors are chosen per shard

@@ -176,6 +176,85 @@ def _label_shards(spec, shards, offsets, fits_ref, decisions, actors, context) -
     return sorted(results, key=lambda r: order[r["shard"]])
 
 
+class _Clock:
+    """Seconds per step, in order."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def step(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name], self._last = now - self._last, now
+
+
+def _embedded_shards(spec: LabelSpec) -> tuple[list[str], list[str]]:
+    """(shards with embeddings, shards without: their embed pass failed)."""
+    shards = [s for s in spec.shards if file_exists(spec.embeddings_path(s))]
+    missing = [s for s in spec.shards if s not in shards]
+    if missing:
+        logger.warning(
+            f"labels: {len(missing)} shard(s) have no embeddings (failed embed), skipped"
+        )
+    if not shards:
+        layout = RunLayout(spec.output)
+        raise ValueError(
+            f"no embeddings under {layout.embeddings_dir(spec.round_index)}: "
+            "run the embed pass first"
+        )
+    return shards, missing
+
+
+def _scan(spec: LabelSpec, shards: list[str]) -> tuple[list[dict], list[int], int]:
+    """Step 1: per-shard rows, loss ranges and metadata; the global id offsets."""
+    infos = _map(shard_tasks.range_task, spec, shards)
+    rows = [info["rows"] for info in infos]
+    offsets = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64).tolist()
+    total = int(sum(rows))
+    if total == 0:
+        raise ValueError("the embeddings tables hold no sample: nothing to label")
+    return infos, offsets, total
+
+
+def _write_mixture(spec: LabelSpec, fits: dict[str, MixtureFit]) -> dict[str, Any]:
+    mixture = {
+        "round": spec.round_index,
+        "view": spec.view,
+        "loss": spec.labels.loss,
+        "kind": spec.mixture.kind,
+        "threshold": spec.mixture.threshold,
+        "fits": {name: fit.to_dict() for name, fit in fits.items()},
+    }
+    write_json_atomic(mixture, RunLayout(spec.output).mixture(spec.round_index, spec.view))
+    configured = fits[spec.mixture.kind]
+    logger.info(
+        f"labels: {spec.mixture.kind.upper()} on {spec.labels.loss}: clean mean "
+        f"{_component(configured, 'clean')}, noisy mean {_component(configured, 'noisy')}"
+        + (" (no loss spread)" if configured.no_spread else "")
+    )
+    return mixture
+
+
+def _context(spec: LabelSpec, infos: list[dict], mixture: dict) -> dict[str, Any]:
+    """What every label task needs besides the spec (shipped once through the object store)."""
+    import pipeline
+
+    logit_scale = next((i["logit_scale"] for i in infos if i["logit_scale"]), None)
+    return {
+        "version": pipeline.__version__,
+        "model_id": _model_id(spec, infos),
+        "logit_scale": logit_scale if logit_scale is not None else repr(1 / 0.07),
+        # RCR ranks unique images when any table has image_sha256 (old tables: rows).
+        "image_groups": any(info["image_sha256"] for info in infos),
+        "mixture": mixture,
+        "shard_paths": dict(zip(spec.shards, spec.shard_paths, strict=False)),
+    }
+
+
+def _model_id(spec: LabelSpec, infos: list[dict]) -> str:
+    return spec.model_id or next((i["model_id"] for i in infos if i["model_id"]), "unknown")
+
+
 def run_label_pass(spec: LabelSpec) -> dict[str, Any]:
     """Run the label pass of one round and view on the connected Ray cluster.
 
@@ -188,91 +267,51 @@ def run_label_pass(spec: LabelSpec) -> dict[str, Any]:
     """
     import ray
 
-    import pipeline
-
-    timings: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def step(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        timings[name], clock = now - clock, now
-
-    shards = [s for s in spec.shards if file_exists(spec.embeddings_path(s))]
-    missing = [s for s in spec.shards if s not in shards]
-    if missing:
-        logger.warning(
-            f"labels: {len(missing)} shard(s) have no embeddings (failed embed), skipped"
-        )
+    clock = _Clock()
+    shards, missing = _embedded_shards(spec)
     previous = _previous_summary(spec, shards)
     if previous is not None:
         logger.info(f"labels: {spec.out_dir} already complete for this job, skipped")
         return {**previous, "skipped": True}
-    layout = RunLayout(spec.output)
-    if not shards:
-        raise ValueError(
-            f"no embeddings under {layout.embeddings_dir(spec.round_index)}: "
-            "run the embed pass first"
-        )
-
-    infos = _map(shard_tasks.range_task, spec, shards)
-    rows = [info["rows"] for info in infos]
-    offsets = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64).tolist()
-    total = int(sum(rows))
-    if total == 0:
-        raise ValueError("the embeddings tables hold no sample: nothing to label")
-    model_id = spec.model_id or next((i["model_id"] for i in infos if i["model_id"]), "unknown")
-    logit_scale = next((i["logit_scale"] for i in infos if i["logit_scale"]), None)
-    step("ranges")
-
+    infos, offsets, total = _scan(spec, shards)
+    logger.info(f"labels: {total} pairs in {len(shards)} shards (view {spec.view})")
+    clock.step("ranges")
     fits = _fit_mixtures(spec, shards, infos)
-    mixture = {
-        "round": spec.round_index,
-        "view": spec.view,
-        "loss": spec.labels.loss,
-        "kind": spec.mixture.kind,
-        "threshold": spec.mixture.threshold,
-        "fits": {name: fit.to_dict() for name, fit in fits.items()},
-    }
-    write_json_atomic(mixture, layout.mixture(spec.round_index, spec.view))
+    mixture = _write_mixture(spec, fits)
     fits_ref = ray.put(fits)
-    step("fit")
-    configured = fits[spec.mixture.kind]
-    logger.info(
-        f"labels: {total} pairs in {len(shards)} shards; {spec.mixture.kind.upper()} on "
-        f"{spec.labels.loss}: clean mean {_component(configured, 'clean')}, noisy mean "
-        f"{_component(configured, 'noisy')}" + (" (no loss spread)" if configured.no_spread else "")
-    )
-
+    clock.step("fit")
     decisions, partition = _decide(spec, shards, offsets, fits_ref)
-    step("partition")
+    clock.step("partition")
     logger.info(f"labels: partition {json.dumps(partition, sort_keys=True)}")
     if spec.labelling_view != spec.view:
         logger.info(
             f"labels: partition from view {spec.view}, labels from view {spec.labelling_view}"
         )
-
     actors: list = []
     try:
-        actors, index_info = _build_index(
-            spec, shards, offsets, fits_ref, decisions, infos[0]["dim"]
-        )
-        step("index")
-        context = {
-            "version": pipeline.__version__,
-            "model_id": model_id,
-            "logit_scale": logit_scale if logit_scale is not None else repr(1 / 0.07),
-            # RCR ranks unique images when any table has image_sha256 (old tables: rows).
-            "image_groups": any(info["image_sha256"] for info in infos),
-            "mixture": mixture,
-            "shard_paths": dict(zip(spec.shards, spec.shard_paths, strict=False)),
-        }
+        dim = infos[0]["dim"]
+        actors, index_info = _build_index(spec, shards, offsets, fits_ref, decisions, dim)
+        clock.step("index")
+        context = _context(spec, infos, mixture)
         results = _label_shards(spec, shards, offsets, fits_ref, decisions, actors, context)
     finally:
         for actor in actors:
             ray.kill(actor)
-    step("labels")
+    clock.step("labels")
+    summary = _summary(spec, shards, missing, total, results, fits, partition, index_info)
+    summary["model_id"] = context["model_id"]
+    summary["seconds"] = {**clock.seconds, "total": sum(clock.seconds.values())}
+    write_json_atomic(summary, f"{spec.out_dir}/{SUMMARY_NAME}")
+    subsets = summary["subsets"]
+    logger.info(
+        f"labels: wrote {total} rows to {spec.out_dir} "
+        f"({', '.join(f'{k}: {v}' for k, v in subsets.items())}) "
+        f"in {summary['seconds']['total']:.1f}s"
+    )
+    return {**summary, "skipped": False}
 
+
+def _summary(spec, shards, missing, total, results, fits, partition, index_info) -> dict:
     subsets = {name: sum(r["subsets"][name] for r in results) for name in SUBSET_VALUES}
     summary: dict[str, Any] = {
         "round": spec.round_index,
@@ -282,10 +321,10 @@ def run_label_pass(spec: LabelSpec) -> dict[str, Any]:
         "loss": spec.labels.loss,
         "mixture_kind": spec.mixture.kind,
         "job_hash": spec.job_hash,
-        "model_id": model_id,
+        "model_id": None,
         "out_dir": spec.out_dir,
         "ground_truth": spec.ground_truth,
-        "mixture_file": layout.mixture(spec.round_index, spec.view),
+        "mixture_file": RunLayout(spec.output).mixture(spec.round_index, spec.view),
         "shards_labelled": shards,
         "shards_missing": missing,
         "samples": total,
@@ -295,19 +334,13 @@ def run_label_pass(spec: LabelSpec) -> dict[str, Any]:
         "partition": partition,
         "mixture": {name: _fit_summary(fit) for name, fit in fits.items()},
         "index": index_info,
-        "seconds": timings,
+        "seconds": {},
         "quality": None,
     }
     if spec.ground_truth:
         summary["quality"] = quality_from_parts([r["quality"] for r in results if "quality" in r])
         _log_quality(summary["quality"], summary)
-    timings["total"] = sum(timings.values())
-    write_json_atomic(summary, f"{spec.out_dir}/{SUMMARY_NAME}")
-    logger.info(
-        f"labels: wrote {total} rows to {spec.out_dir} "
-        f"({', '.join(f'{k}: {v}' for k, v in subsets.items())}) in {timings['total']:.1f}s"
-    )
-    return {**summary, "skipped": False}
+    return summary
 
 
 def _component(fit: MixtureFit, which: str) -> str:
