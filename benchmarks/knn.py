@@ -30,7 +30,8 @@ import time
 import numpy as np
 from scipy.stats import spearmanr
 
-from pipeline.core.knn import ShardedIndex, exact_topk_torch, resolve_ngpu, train_index
+from pipeline.core.exact_search import exact_topk_torch
+from pipeline.core.knn import ShardedIndex, resolve_ngpu, train_index
 from pipeline.core.labels.rcr import ndcg_at_k
 
 

@@ -7,13 +7,13 @@ import faiss
 import numpy as np
 import pytest
 
+from pipeline.core.exact_search import exact_topk_torch
 from pipeline.core.knn import (
     IndexShard,
     ShardedIndex,
     build_index,
     canonical_topk,
     exact_scores,
-    exact_topk_torch,
     merge_topk,
     rescore,
     resolve_ngpu,

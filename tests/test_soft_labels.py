@@ -14,7 +14,7 @@ from sklearn.metrics import roc_auc_score
 
 from pipeline.config import BicroLabelsConfig, LabelsConfig, RcrLabelsConfig, SpsLabelsConfig
 from pipeline.core.coteach import TRAINING_TARGETS
-from pipeline.core.knn import exact_topk_torch
+from pipeline.core.exact_search import exact_topk_torch
 from pipeline.core.labels import LABEL_METHODS, SCORE_COLUMNS
 from pipeline.core.labels.bicro import bicro_in_batch_anchors, bicro_labels, fold
 from pipeline.core.labels.cosine import cosine_labels
