@@ -56,7 +56,6 @@ def time_pipeline(
             concurrency=1,
             cpus_per_worker=cpus,
             gpus_per_worker=0,
-            log=lambda _: None,
         )
         return (
             summary["embedded"] / summary["seconds"],

@@ -125,7 +125,7 @@ def run_noise_level(noise: float, args, workdir: Path, pretrained: str | None) -
     corpus, shards, _ = _corpus(folder, args, noise, args.seed)
     job = load_job(_job(folder, corpus, shards, pretrained, ray={"num_cpus": args.num_cpus}))
     started = time.perf_counter()
-    metrics = run_job(job, log=lambda _: None)
+    metrics = run_job(job)
     embed_seconds = time.perf_counter() - started
     embed = metrics["rounds"]["0"]["embed"]
     paths = resolve_inputs(job)
@@ -222,7 +222,7 @@ def warm_up(args, workdir: Path) -> str:
             ray={"num_cpus": args.num_cpus},
         )
     )
-    run_job(job, log=lambda _: None)
+    run_job(job)
     return RunLayout(job.output).model_checkpoint(0, "A")
 
 
@@ -266,7 +266,7 @@ def run_coteaching(noise: float, args, workdir: Path) -> None:
         if first_output is not None:
             _share_warmup(first_output, job.output)
         started = time.perf_counter()
-        metrics = run_job(job, log=lambda _: None)
+        metrics = run_job(job)
         first_output = first_output or job.output
         table = metrics["coteaching"]
         results[mode] = table[-1]

@@ -159,7 +159,6 @@ def main() -> None:
                     batch=args.batch,
                     lr=args.lr,
                 ),
-                log=lambda _: None,
             )
             results[name] = summary
             emit(

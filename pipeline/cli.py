@@ -2,6 +2,9 @@
 
 Errors a user can fix (bad job file, missing shards, missing weights, a conflicting run
 directory) are printed as one `error:` message and exit with status 2, without a traceback.
+
+The library logs through module loggers; every command shows them on the terminal through
+`pipeline.console.setup_console` (set up in `_console`, before the command runs).
 """
 
 from __future__ import annotations
@@ -19,6 +22,14 @@ app = typer.Typer(
 )
 
 SET_HELP = "Override a job key, e.g. --set labels.method=rcr (repeatable)."
+
+
+@app.callback()
+def _console() -> None:
+    # Runs before every command: the pipeline's log records to the terminal.
+    from pipeline.console import setup_console
+
+    setup_console()
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -56,11 +67,15 @@ def _guard(function, *args, **kwargs):
 def run(
     job_file: Path = typer.Argument(..., help="Job YAML, e.g. jobs/demo.yaml."),
     overrides: list[str] = typer.Option(None, "--set", help=SET_HELP),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also show debug messages."),
 ) -> None:
     """Run the pipeline for a job (local Ray by default, or ray.address / RAY_ADDRESS)."""
     from pipeline.config import load_job
+    from pipeline.console import setup_console
     from pipeline.runner import run_job
 
+    if verbose:
+        setup_console(verbose=True)
     job = _guard(load_job, job_file, overrides)
     _guard(run_job, job)
 
@@ -143,7 +158,7 @@ def submit(
 
     if not address:
         _fail("no cluster address: pass --address http://<head>:8265 (the Ray dashboard port)")
-    status = _guard(submit_job, job_file, address, overrides, follow=follow, log=typer.echo)
+    status = _guard(submit_job, job_file, address, overrides, follow=follow)
     if follow and status != "SUCCEEDED":
         raise typer.Exit(code=1)
 

@@ -8,9 +8,9 @@ starts, so a bad job fails in seconds with a message instead of a traceback.
 from __future__ import annotations
 
 import datetime as _dt
+import logging
 import os
 import platform
-from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
@@ -23,6 +23,8 @@ from pipeline.models import ModelSpec, check_weights_available
 __all__ = ["RunConflictError", "run_job", "resolve_inputs", "model_specs"]
 
 EMBED_SECTIONS = ("input", "model", "embed", "seed")
+
+logger = logging.getLogger(__name__)
 
 
 class RunConflictError(RuntimeError):
@@ -95,8 +97,11 @@ def _check_resume(job: JobConfig, layout: RunLayout) -> dict:
     return manifest
 
 
-def run_job(job: JobConfig, log: Callable[[str], None] = print) -> dict:
+def run_job(job: JobConfig) -> dict:
     """Run the pipeline for `job` on Ray and return the metrics written to metrics.json.
+
+    Progress and summaries go to this module's logger (and the stages' loggers); what the
+    terminal shows is set up by the caller (pipeline.console).
 
     Raises:
         ShardPatternError: the input pattern matches no file.
@@ -114,7 +119,7 @@ def run_job(job: JobConfig, log: Callable[[str], None] = print) -> dict:
     manifest = _check_resume(job, layout)
 
     where = init_ray(job.ray.address, job.ray.num_cpus)
-    log(
+    logger.info(
         f"ncl-pipeline: job '{job.name}', {len(shard_paths)} shards, {where}, "
         f"output {layout.output}"
     )
@@ -149,9 +154,9 @@ def run_job(job: JobConfig, log: Callable[[str], None] = print) -> dict:
         write_json_atomic(manifest, layout.manifest)
 
     # 1. Embed every pair with the initial model; this pass also records the quarantine.
-    embed = _embed(job, layout, shard_paths, 0, views, log)
+    embed = _embed(job, layout, shard_paths, 0, views)
     record("embed", 0, "embed", embed)
-    _print_summary(embed, layout, log)
+    _log_summary(embed, layout)
 
     # 2. Warm up models A and B (round 0 training).
     from pipeline.stages.labels import LabelSpec, run_label_pass
@@ -160,10 +165,10 @@ def run_job(job: JobConfig, log: Callable[[str], None] = print) -> dict:
 
     checkpoints: dict[str, str] = {}
     if job.train.warmup_epochs > 0:
-        warmup = run_training(warmup_spec(job, layout, shard_paths), log=log)
+        warmup = run_training(warmup_spec(job, layout, shard_paths))
         record("warmup", 0, "train", warmup)
         rounds["0"]["retrieval"] = warmup.get("retrieval")
-        _print_warmup(warmup, log)
+        _log_warmup(warmup)
         checkpoints = {view: info["checkpoint"] for view, info in warmup["views"].items()}
 
     # 3. Co-teaching. Round r embeds with the models of round r-1 (both views in one pass),
@@ -175,7 +180,7 @@ def run_job(job: JobConfig, log: Callable[[str], None] = print) -> dict:
             "embed",
             round_index,
             "embed",
-            _embed(job, layout, shard_paths, round_index, round_models(job, checkpoints), log),
+            _embed(job, layout, shard_paths, round_index, round_models(job, checkpoints)),
         )
         for view, trainee in (("a", "b"), ("b", "a")):
             spec = LabelSpec.from_job(
@@ -189,13 +194,11 @@ def run_job(job: JobConfig, log: Callable[[str], None] = print) -> dict:
             record(f"labels_{view}", round_index, f"labels_{view}", summary)
         if round_index == last:
             break
-        trained = run_training(
-            coteach_spec(job, layout, shard_paths, round_index, checkpoints), log=log
-        )
+        trained = run_training(coteach_spec(job, layout, shard_paths, round_index, checkpoints))
         record("train", round_index, "train", trained)
         rounds[str(round_index)]["retrieval"] = trained.get("retrieval")
         checkpoints = {view: info["checkpoint"] for view, info in trained["views"].items()}
-        _print_round(trained, log)
+        _log_round(trained)
 
     # 4. The final labels/: the last round's two views combined (mean).
     embedded = _shard_sizes(layout, last, shard_paths)
@@ -206,18 +209,17 @@ def run_job(job: JobConfig, log: Callable[[str], None] = print) -> dict:
         round_index=last,
         job_hash=job.stage_hash(),
         ground_truth=job.eval.ground_truth,
-        log=log,
     )
     metrics["labels"] = published
     metrics["coteaching"] = coteaching_table(job, rounds, published)
     write_json_atomic(metrics, layout.metrics)
-    _print_coteaching(metrics["coteaching"], job, log)
-    log(f"labels: {layout.labels_dir}/ (read with pipeline.read_labels('{layout.output}'))")
+    _log_coteaching(metrics["coteaching"], job)
+    logger.info(f"labels: {layout.labels_dir}/ (read with pipeline.read_labels('{layout.output}'))")
 
     # 5. The HTML report (loss histogram with fits, label histograms, lowest-labelled gallery).
     from pipeline.report import write_report
 
-    log(f"report: {write_report(layout.output)}")
+    logger.info(f"report: {write_report(layout.output)}")
     return metrics
 
 
@@ -227,7 +229,6 @@ def _embed(
     shard_paths: list[str],
     round_index: int,
     views: dict[str, ModelSpec],
-    log: Callable[[str], None],
 ) -> dict:
     from pipeline.stages.embed import EmbedSpec, run_embed_pass
 
@@ -247,7 +248,6 @@ def _embed(
         concurrency=job.embed.concurrency,
         cpus_per_worker=job.embed.cpus_per_worker,
         gpus_per_worker=job.embed.gpus_per_worker,
-        log=log,
     )
 
 
@@ -417,7 +417,7 @@ def coteaching_table(job: JobConfig, rounds: dict, published: dict) -> list[dict
     return rows
 
 
-def _print_round(summary: dict, log: Callable[[str], None]) -> None:
+def _log_round(summary: dict) -> None:
     retrieval = summary.get("retrieval") or {}
     shown = ", ".join(f"{name} {r['rsum']:.1f}" for name, r in retrieval.items())
     views = []
@@ -430,73 +430,83 @@ def _print_round(summary: dict, log: Callable[[str], None]) -> None:
             f"{view} InfoNCE over all pairs unweighted {last['loss']:.3f}, mean pair weight "
             f"{last.get('mean_weight', float('nan')):.2f}{proxies}"
         )
-    log(
+    logger.info(
         f"co-teaching round {summary['round']} (last epoch): {'; '.join(views)}"
         + (f"; held-out rSum {shown}" if shown else "")
     )
 
 
-def _print_coteaching(rows: list[dict], job: JobConfig, log: Callable[[str], None]) -> None:
+def _log_coteaching(rows: list[dict], job: JobConfig) -> None:
     def cell(value) -> str:
         return "    -" if value is None else f"{value:5.3f}"
 
     def rsum(value) -> str:
         return "     -" if value is None else f"{value:6.1f}"
 
-    log("")
-    log(
+    lines = [
+        "",
         f"co-teaching ({job.train.mode}, labels {job.labels.method}): label AUROC per view and "
-        "held-out rSum per model generation"
-    )
-    log("  models               AUROC a  AUROC b    rSum A  rSum B  rSum A+B")
+        "held-out rSum per model generation",
+        "  models               AUROC a  AUROC b    rSum A  rSum B  rSum A+B",
+    ]
     for row in rows:
         name = "warmed up" if row["models"] == 0 else f"after round {row['models']}"
-        log(
+        lines.append(
             f"  {name:<20} {cell(row['auroc_a'])}    {cell(row['auroc_b'])}   "
             f"{rsum(row['rsum_A'])}  {rsum(row['rsum_B'])}  {rsum(row['rsum_A+B'])}"
         )
     if rows and rows[-1].get("auroc_combined") is not None:
-        log(f"  published labels (mean of a and b): AUROC {rows[-1]['auroc_combined']:.3f}")
+        lines.append(
+            f"  published labels (mean of a and b): AUROC {rows[-1]['auroc_combined']:.3f}"
+        )
+    logger.info("\n".join(lines))
 
 
-def _print_warmup(summary: dict, log: Callable[[str], None]) -> None:
-    log("")
-    log("warm-up")
+def _log_warmup(summary: dict) -> None:
+    lines = ["", "warm-up"]
     for view, info in summary["views"].items():
         last = info["history"][-1] if info["history"] else {}
         reason = (info.get("warmup") or {}).get("reason", "")
-        log(
+        lines.append(
             f"  model {view}: {info['epochs']} epochs, {info['steps']} steps, last loss "
             f"{last.get('loss', float('nan')):.3f}; kept epoch {info['kept_epoch']} ({reason})"
         )
     retrieval = summary.get("retrieval")
     if retrieval:
-        log("  retrieval on the test split (R@1/R@5/R@10 image->text | text->image, rSum):")
+        lines.append(
+            "  retrieval on the test split (R@1/R@5/R@10 image->text | text->image, rSum):"
+        )
         for name, r in retrieval.items():
-            log(
+            lines.append(
                 f"    {name:>4}: {r['i2t_r1']:.1f}/{r['i2t_r5']:.1f}/{r['i2t_r10']:.1f} | "
                 f"{r['t2i_r1']:.1f}/{r['t2i_r5']:.1f}/{r['t2i_r10']:.1f}, rSum {r['rsum']:.1f}"
             )
+    logger.info("\n".join(lines))
 
 
-def _print_summary(embed: dict, layout: RunLayout, log: Callable[[str], None]) -> None:
+def _log_summary(embed: dict, layout: RunLayout) -> None:
     reasons = ", ".join(f"{k}: {v}" for k, v in embed["quarantined_by_reason"].items()) or "none"
     rate = embed["pairs_per_second"]
-    log("")
-    log("summary")
-    log(f"  shards:       {embed['shards']} ({embed['shards_skipped']} already complete)")
-    log(f"  samples read: {embed['records_read']} (this run)")
-    log(f"  embedded:     {embed['embedded']}")
-    log(f"  quarantined:  {embed['quarantined']} ({reasons})")
+    lines = [
+        "",
+        "summary",
+        f"  shards:       {embed['shards']} ({embed['shards_skipped']} already complete)",
+        f"  samples read: {embed['records_read']} (this run)",
+        f"  embedded:     {embed['embedded']}",
+        f"  quarantined:  {embed['quarantined']} ({reasons})",
+    ]
     if embed["ignored_members"]:
         ignored = ", ".join(f".{k}: {v}" for k, v in embed["ignored_members"].items())
-        log(f"  ignored tar members (never decoded): {ignored}")
+        lines.append(f"  ignored tar members (never decoded): {ignored}")
     if rate:
-        log(f"  throughput:   {rate:.0f} pairs/s over {embed['seconds']:.1f}s")
+        lines.append(f"  throughput:   {rate:.0f} pairs/s over {embed['seconds']:.1f}s")
     for broken in embed["shards_truncated"]:
-        log(
+        lines.append(
             f"  TRUNCATED shard {broken['path']}: {broken['error']} (samples before the break kept)"
         )
     for failure in embed["shards_failed"]:
-        log(f"  FAILED shard {failure['path']}: {failure['error']} (rerun to retry)")
-    log(f"  outputs:      {layout.embeddings_dir(0)}/, {layout.quarantine_dir}/, {layout.metrics}")
+        lines.append(f"  FAILED shard {failure['path']}: {failure['error']} (rerun to retry)")
+    lines.append(
+        f"  outputs:      {layout.embeddings_dir(0)}/, {layout.quarantine_dir}/, {layout.metrics}"
+    )
+    logger.info("\n".join(lines))

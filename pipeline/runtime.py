@@ -10,6 +10,7 @@ so the raylet and workers that Ray spawns inherit them.
 
 from __future__ import annotations
 
+import json
 import os
 
 __all__ = [
@@ -17,7 +18,6 @@ __all__ = [
     "apply_loopback_defaults",
     "cluster_resources",
     "init_ray",
-    "quiet_worker_logs",
 ]
 
 # Set before `import ray`: Ray reads some of these at import time.
@@ -33,18 +33,23 @@ def apply_loopback_defaults() -> None:
         os.environ.setdefault(key, value)
 
 
-# Ray Train's placement-group cleaner asks the State API, served by the dashboard, once a
-# second whether the controller is alive; the embedded Ray runs without a dashboard, so every
-# ask fails with a warning. The cleaner only matters when a controller dies ungracefully.
-_QUIET_WORKER_LOGGERS = ("ray.train.v2._internal.execution.controller.placement_group_cleaner",)
+# Every worker process of the job sets up its console this way (pipeline.console): what worker
+# code logs reaches the driver's terminal, and worker code itself configures no logging.
+WORKER_SETUP_HOOK = "pipeline.console.setup_worker_logging"
 
 
-def quiet_worker_logs() -> None:
-    """Worker-process setup hook of the embedded local Ray (see `_QUIET_WORKER_LOGGERS`)."""
-    import logging
-
-    for name in _QUIET_WORKER_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
+def _worker_runtime_env() -> dict:
+    """The job's runtime env: the worker set-up hook, unless the job was submitted with a hook
+    of its own (Ray refuses to merge a ray.init runtime env that sets the same field)."""
+    submitted = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")  # set by the Ray Jobs API
+    if submitted:
+        try:
+            runtime_env = json.loads(submitted).get("runtime_env") or {}
+        except (ValueError, AttributeError):
+            runtime_env = {}
+        if "worker_process_setup_hook" in runtime_env:
+            return {}
+    return {"worker_process_setup_hook": WORKER_SETUP_HOOK}
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
@@ -66,7 +71,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     if ray.is_initialized():
         return "existing Ray session"
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(
+            address=address,
+            log_to_driver=True,
+            runtime_env=_worker_runtime_env(),
+        )
         return f"Ray cluster at {address}"
     ray.init(
         num_cpus=num_cpus,
@@ -74,7 +83,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         log_to_driver=True,
         configure_logging=True,
         logging_level="WARNING",
-        runtime_env={"worker_process_setup_hook": "pipeline.runtime.quiet_worker_logs"},
+        runtime_env={"worker_process_setup_hook": WORKER_SETUP_HOOK},
     )
     return "local Ray (127.0.0.1)"
 

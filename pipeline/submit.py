@@ -8,10 +8,10 @@ the job are the cluster's paths. The cluster must have ncl-pipeline installed (d
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -21,6 +21,8 @@ from pipeline.config import load_job
 __all__ = ["SubmitError", "submit_job"]
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+logger = logging.getLogger(__name__)
 
 
 class SubmitError(RuntimeError):
@@ -69,7 +71,6 @@ def submit_job(
     overrides: list[str] | None = None,
     *,
     follow: bool = False,
-    log: Callable[[str], None] = print,
 ) -> str:
     """Submit `job_file` to the cluster at `address`.
 
@@ -88,8 +89,8 @@ def submit_job(
     except Exception as exc:  # Ray raises plain ConnectionError/RuntimeError variants
         raise _explain(address, exc) from None
     if not _token_configured() and address.startswith("http"):
-        log(
-            "warning: no Ray auth token configured and the cluster accepted the connection: "
+        logger.warning(
+            "no Ray auth token configured and the cluster accepted the connection: "
             "if its token auth is off, anyone who can reach this address can run code there"
         )
     with tempfile.TemporaryDirectory(prefix="ncl-submit-") as workdir:
@@ -104,20 +105,20 @@ def submit_job(
             runtime_env={"working_dir": workdir},
             metadata={"ncl.job_name": job.name, "ncl.job_hash": job.stage_hash()},
         )
-    log(f"submitted {job_id} to {address}")
+    logger.info(f"submitted {job_id} to {address}")
     if not follow:
-        log(f"follow it with: ray job logs --address {address} --follow {job_id}")
+        logger.info(f"follow it with: ray job logs --address {address} --follow {job_id}")
         return str(client.get_job_status(job_id))
 
     async def _tail() -> None:
         async for lines in client.tail_job_logs(job_id):
             for line in lines.rstrip("\n").split("\n"):
-                log(line)
+                logger.info(line)
 
     asyncio.run(_tail())
     status = client.get_job_status(job_id)
     while str(status) not in TERMINAL:
         time.sleep(0.5)
         status = client.get_job_status(job_id)
-    log(f"job {job_id} finished: {status}")
+    logger.info(f"job {job_id} finished: {status}")
     return str(status)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from log_capture import console_output
 
 from pipeline.config import load_job
 from pipeline.io.layout import RunLayout
@@ -61,8 +62,8 @@ def _job(corpus: Path, out: Path, method: str = "sps", mode: str = "coteach"):
 def sps_run(local_ray, corpus, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("sps_run") / "run"
     job = _job(corpus, out)
-    lines: list[str] = []
-    metrics = run_job(job, log=lines.append)
+    with console_output() as lines:
+        metrics = run_job(job)
     return {"job": job, "out": out, "metrics": metrics, "log": "\n".join(lines)}
 
 
@@ -145,7 +146,7 @@ def test_vanilla_and_oracle_use_the_same_trainer(local_ray, corpus, tmp_path):
     oracle = oracle.model_copy(
         update={"train": oracle.train.model_copy(update={"rounds": 1, "warmup_epochs": 0})}
     )
-    metrics = run_job(oracle, log=lambda _: None)
+    metrics = run_job(oracle)
     layout = RunLayout(oracle.output)
     truth = pq.read_table(corpus / "ground_truth.parquet", columns=["key", "kind"])
     clean = {k for k, kind in zip(*truth.to_pydict().values(), strict=True) if kind == "clean"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import logging
 import os
 from pathlib import Path
 
@@ -68,11 +69,29 @@ def _write_job(tmp_path: Path, shards: list[str], name: str = "run") -> Path:
     return job
 
 
-def test_embed_pass_writes_tables_that_reconcile(local_ray, corpus, tmp_path):
+def test_embed_pass_writes_tables_that_reconcile(local_ray, corpus, tmp_path, caplog):
     job = load_job(_write_job(tmp_path, corpus["shards"]))
-    metrics = run_job(job, log=lambda _: None)
+    caplog.set_level(logging.INFO, logger="pipeline")
+    metrics = run_job(job)
     embed = metrics["rounds"]["0"]["embed"]
     out = Path(job.output)
+
+    # The driver logs one line per finished shard (a warning for the unreadable one), then the
+    # summary table as one record.
+    shard_lines = {
+        record.getMessage().split("]")[1].split(":")[0].strip(): record.levelno
+        for record in caplog.records
+        if record.name == "pipeline.stages.embed" and record.getMessage().startswith("  [")
+    }
+    assert set(shard_lines) == {shard_name(p) for p in corpus["shards"]}
+    assert shard_lines["00078"] == logging.WARNING and shard_lines["00000"] == logging.INFO
+    summaries = [
+        record.getMessage()
+        for record in caplog.records
+        if record.name == "pipeline.runner" and record.getMessage().startswith("\nsummary\n")
+    ]
+    assert len(summaries) == 1 and f"  embedded:     {embed['embedded']}\n" in summaries[0]
+    assert f"FAILED shard {corpus['garbage']}" in summaries[0]
 
     embeddings = ds.dataset(out / "rounds" / "0" / "embeddings", format="parquet").to_table()
     quarantine = ds.dataset(out / "quarantine", format="parquet").to_table()
@@ -143,12 +162,12 @@ def test_embed_pass_writes_tables_that_reconcile(local_ray, corpus, tmp_path):
 def test_rerun_skips_complete_shards_and_redoes_partial_ones(local_ray, corpus, tmp_path):
     shards = corpus["shards"][:3]
     job = load_job(_write_job(tmp_path, shards))
-    first = run_job(job, log=lambda _: None)["rounds"]["0"]["embed"]
+    first = run_job(job)["rounds"]["0"]["embed"]
     emb_dir = Path(job.output) / "rounds" / "0" / "embeddings"
     done = emb_dir / "00001.parquet"
     before = {p.name: p.stat().st_mtime_ns for p in emb_dir.glob("*.parquet")}
 
-    again = run_job(job, log=lambda _: None)["rounds"]["0"]["embed"]
+    again = run_job(job)["rounds"]["0"]["embed"]
     assert again["shards_skipped"] == 3 and again["embedded"] == 0
     assert {p.name: p.stat().st_mtime_ns for p in emb_dir.glob("*.parquet")} == before
 
@@ -156,7 +175,7 @@ def test_rerun_skips_complete_shards_and_redoes_partial_ones(local_ray, corpus, 
     reference = pq.read_table(done)
     done.unlink()
     (emb_dir / "00001.parquet.tmp-deadbeef").write_bytes(b"partial")
-    third = run_job(job, log=lambda _: None)["rounds"]["0"]["embed"]
+    third = run_job(job)["rounds"]["0"]["embed"]
     assert third["shards_skipped"] == 2 and third["embedded"] == reference.num_rows
     assert pq.read_table(done).equals(reference)
     assert first["embedded"] == sum(pq.read_metadata(p).num_rows for p in emb_dir.glob("*.parquet"))
@@ -164,9 +183,9 @@ def test_rerun_skips_complete_shards_and_redoes_partial_ones(local_ray, corpus, 
 
 def test_changed_configuration_refuses_to_resume(local_ray, corpus, tmp_path):
     path = _write_job(tmp_path, corpus["shards"][:1])
-    run_job(load_job(path), log=lambda _: None)
+    run_job(load_job(path))
     with pytest.raises(RunConflictError, match="different configuration"):
-        run_job(load_job(path, ["seed=4"]), log=lambda _: None)
+        run_job(load_job(path, ["seed=4"]))
 
 
 def _is_loopback(ip: str) -> bool:

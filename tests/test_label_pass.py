@@ -378,9 +378,7 @@ def two_view_run(local_ray, tmp_path_factory) -> dict:
         seed=0,
         decode_threads=2,
     )
-    summary = run_embed_pass(
-        spec, paths, concurrency=1, cpus_per_worker=1, gpus_per_worker=0, log=lambda _: None
-    )
+    summary = run_embed_pass(spec, paths, concurrency=1, cpus_per_worker=1, gpus_per_worker=0)
     assert summary["embedded"] == 120 and not summary["shards_failed"]
     shards = [shard_name(p) for p in paths]
     tables = [

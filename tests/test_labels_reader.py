@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.dataset as ds
 import pytest
+from log_capture import console_output
 
 import pipeline
 from pipeline.config import load_job
@@ -59,9 +60,9 @@ def labelled_run(local_ray, tmp_path_factory) -> dict:
     job_file = root / "job.yaml"
     job_file.write_text(JOB.format(corpus=root / "demo", output=root / "run"))
     job = load_job(job_file)
-    lines: list[str] = []
     # run_job labels round 1 (no warm-up, no co-teaching: the initial models) and publishes.
-    metrics = run_job(job, log=lines.append)
+    with console_output() as lines:
+        metrics = run_job(job)
     summary = metrics["rounds"]["1"]["labels_a"]
     paths = resolve_inputs(job)
     return {"job": job, "paths": paths, "summary": summary, "log": lines}

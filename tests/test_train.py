@@ -64,7 +64,7 @@ def test_epoch_order_is_seeded_per_view_and_epoch():
 
 
 def test_warmup_learns_and_beats_chance_retrieval(local_ray, corpus, tmp_path):
-    summary = run_training(_spec(corpus, tmp_path), log=lambda _: None)
+    summary = run_training(_spec(corpus, tmp_path))
     for view in ("A", "B"):
         history = summary["views"][view]["history"]
         assert len(history) == 4
@@ -79,7 +79,7 @@ def test_warmup_learns_and_beats_chance_retrieval(local_ray, corpus, tmp_path):
     b = torch.load(RunLayout(str(tmp_path)).model_checkpoint(0, "B"), weights_only=True)
     assert any(not torch.equal(a[k], b[k]) for k in a)
     # Rerunning a finished round is a no-op.
-    again = run_training(_spec(corpus, tmp_path), log=lambda _: None)
+    again = run_training(_spec(corpus, tmp_path))
     assert again == json.loads((tmp_path / "rounds/0/checkpoints/train_summary.json").read_text())
 
 
@@ -89,14 +89,14 @@ def test_resume_after_a_failure_mid_epoch_gives_identical_weights(local_ray, cor
     to an uninterrupted run (CPU, deterministic kernels)."""
     base = dict(max_epochs=2, test_shards=(), checkpoint_every_steps=3)
     reference = tmp_path / "reference"
-    run_training(_spec(corpus, reference, **base), log=lambda _: None)
+    run_training(_spec(corpus, reference, **base))
 
     resumed = tmp_path / "resumed"
     with pytest.raises(Exception, match="injected failure"):
-        run_training(_spec(corpus, resumed, fail_after_steps=5, **base), log=lambda _: None)
+        run_training(_spec(corpus, resumed, fail_after_steps=5, **base))
     state = torch.load(RunLayout(str(resumed)).resume_state(0, "A"), weights_only=True)
     assert state["step"] == 3 and state["epoch"] == 0  # the checkpoint before the failure
-    summary = run_training(_spec(corpus, resumed, **base), log=lambda _: None)
+    summary = run_training(_spec(corpus, resumed, **base))
 
     assert summary["views"]["A"]["steps"] == 2 * (640 // 64)
     for view in ("A", "B"):

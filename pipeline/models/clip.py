@@ -437,24 +437,61 @@ def _seeded_cpu_rng(seed: int) -> Iterator[None]:
         yield
 
 
-class _DropRandomInitWarning(logging.Filter):
-    """Drops open_clip's "initialized randomly" root-logger warning.
+class _QuietOpenClip(logging.Filter):
+    """Drops what open_clip logs through the root logger below WARNING, and its "initialized
+    randomly" warning.
 
-    It is expected for ``pretrained=None`` and wrong for local checkpoints (we load them right
-    after the build), and it would otherwise be printed once per Ray worker.
+    open_clip narrates model and tokenizer building at INFO (a dozen lines per Ray worker), and
+    the random-init warning is expected for ``pretrained=None`` and wrong for local checkpoints
+    (we load them right after the build). A filter on the root logger only sees records logged
+    on the root logger itself (``logging.info(...)``), so the pipeline's own records, which
+    propagate to the root from named loggers, are not affected.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return False
         return "Model initialized randomly" not in record.getMessage()
+
+
+class _LastResort(logging.Handler):
+    """What Python does with a record when no handler is configured: WARNING and above to
+    stderr (`logging.lastResort`)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        last = logging.lastResort
+        if last is not None and record.levelno >= last.level:
+            last.handle(record)
+
+
+@contextlib.contextmanager
+def _open_clip_logging() -> Iterator[None]:
+    """Around open_clip calls: quiet its root-logger narration without configuring logging.
+
+    open_clip logs with the module-level ``logging.info``, which calls ``logging.basicConfig``
+    when the root logger has no handler: that would leave a handler on the root logger of every
+    process that builds a model (Ray workers included). While the block runs, an unconfigured
+    root logger gets a stand-in handler that does what Python does without one, so nothing is
+    configured for good; both the filter and the stand-in are removed afterwards.
+    """
+    root = logging.getLogger()
+    quiet = _QuietOpenClip()
+    stand_in = None if root.handlers else _LastResort()
+    root.addFilter(quiet)
+    if stand_in is not None:
+        root.addHandler(stand_in)
+    try:
+        yield
+    finally:
+        root.removeFilter(quiet)
+        if stand_in is not None:
+            root.removeHandler(stand_in)
 
 
 def _build(spec: ModelSpec, pretrained: str | None) -> tuple[torch.nn.Module, Callable]:
     """Builds the architecture on CPU in fp32 and returns (model, val transform)."""
     schema, _ = _split_schema(spec.name)
-    root = logging.getLogger()  # open_clip logs through the root logger
-    quiet = _DropRandomInitWarning()
-    root.addFilter(quiet)
-    try:
+    with _open_clip_logging():
         model, _, preprocess = open_clip.create_model_and_transforms(
             spec.name if schema else _arch_name(spec.name),
             pretrained=pretrained,
@@ -464,9 +501,12 @@ def _build(spec: ModelSpec, pretrained: str | None) -> tuple[torch.nn.Module, Ca
             pretrained_text=False,
             weights_only=True,
         )
-    finally:
-        root.removeFilter(quiet)
     return model, preprocess
+
+
+def _tokenizer(name: str) -> Callable:
+    with _open_clip_logging():
+        return open_clip.get_tokenizer(name)
 
 
 def _file_sha256(path: str, chunk: int = 1 << 20) -> str:
@@ -610,7 +650,7 @@ def load_clip(spec: ModelSpec, device: str | torch.device = _DEFAULT_DEVICE) -> 
             # Local checkpoints are loaded by us (not open_clip) so the weights_only/strict
             # policy and the error messages are ours; the seed only shapes the discarded init.
             model, preprocess = _build(spec, tag)
-        tokenizer = open_clip.get_tokenizer(arch)
+        tokenizer = _tokenizer(arch)
     except ModelLoadError:
         raise
     except Exception as exc:
@@ -733,7 +773,7 @@ def load_transforms(spec: ModelSpec) -> tuple[Callable[[Any], torch.Tensor], Cal
 
     schema, _ = _split_schema(spec.name)
     if schema:  # hub / local-dir models: only open_clip knows their transform
-        return load_clip(spec, "cpu").preprocess, open_clip.get_tokenizer(spec.name)
+        return load_clip(spec, "cpu").preprocess, _tokenizer(spec.name)
     arch = _arch_name(spec.name)
     config = open_clip.get_model_config(arch)
     if config is None:
@@ -746,4 +786,4 @@ def load_transforms(spec: ModelSpec) -> tuple[Callable[[Any], torch.Tensor], Cal
         preprocess_cfg = merge_preprocess_dict(preprocess_cfg, tag_cfg)
     preprocess_cfg["size"] = config["vision_cfg"].get("image_size", preprocess_cfg["size"])
     transform = image_transform_v2(PreprocessCfg(**preprocess_cfg), is_train=False)
-    return transform, open_clip.get_tokenizer(arch)
+    return transform, _tokenizer(arch)

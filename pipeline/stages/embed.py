@@ -51,6 +51,8 @@ from pipeline.models import LoadedClip, ModelSpec, encode_pairs, load_clip
 
 __all__ = ["EmbedSpec", "EmbedShardStage", "SUMMARY_COLUMNS", "embed_shard"]
 
+logger = logging.getLogger(__name__)
+
 SUMMARY_COLUMNS = (
     "shard",
     "path",
@@ -104,7 +106,6 @@ class EmbedShardStage:
     """Ray Data actor: loads the views' models once, then embeds one shard per input row."""
 
     def __init__(self, spec: EmbedSpec):
-        logging.getLogger().setLevel(logging.WARNING)  # open_clip logs model building at INFO
         self.spec = spec
         self.models = {view: load_clip(model, spec.device) for view, model in spec.views.items()}
         self.pool = ThreadPoolExecutor(max_workers=spec.decode_threads)
@@ -308,9 +309,11 @@ def run_embed_pass(
     concurrency: int | str,
     cpus_per_worker: float,
     gpus_per_worker: float,
-    log=print,
 ) -> dict:
     """Embed every shard whose output is missing, on a Ray Data actor pool.
+
+    The actors send nothing to the terminal: each returns its shard's summary row and the
+    driver logs one line per finished shard (a warning for a failed or truncated shard).
 
     Returns the pass summary: counts (read, embedded, quarantined by reason), throughput and
     failed shards, aggregated from the per-shard rows as they stream back. Shards already
@@ -336,7 +339,7 @@ def run_embed_pass(
     truncated: list[dict] = []
     started = time.perf_counter()
     if skipped:
-        log(f"embed: {skipped} of {len(shard_paths)} shards already complete, skipped")
+        logger.info(f"embed: {skipped} of {len(shard_paths)} shards already complete, skipped")
     if pending:
         cpus, gpus = cluster_resources()
         use_gpus = gpus_per_worker if gpus > 0 else 0.0
@@ -349,7 +352,7 @@ def run_embed_pass(
         else:
             size = int(concurrency)
         size = max(1, min(size, len(pending)))
-        log(
+        logger.info(
             f"embed: {len(pending)} shards on {size} actor(s), "
             f"{use_gpus or 0:g} GPU and {cpus_per_worker:g} CPU each"
         )
@@ -377,6 +380,7 @@ def run_embed_pass(
             reasons.update(json.loads(row["reasons"]))
             ignored.update(json.loads(row["ignored_members"]))
             status = f"FAILED ({row['error']})" if row["error"] else "ok"
+            level = logging.WARNING if row["error"] or row["warning"] else logging.INFO
             if row["error"]:
                 failed.append({"shard": row["shard"], "path": row["path"], "error": row["error"]})
             elif row["warning"]:
@@ -385,10 +389,11 @@ def run_embed_pass(
                     {"shard": row["shard"], "path": row["path"], "error": row["warning"]}
                 )
             elapsed = time.perf_counter() - started
-            log(
+            logger.log(
+                level,
                 f"  [{done}/{len(pending)}] {row['shard']}: {int(row['embedded'])} embedded, "
                 f"{int(row['quarantined'])} quarantined, {float(row['seconds']):.1f}s {status}; "
-                f"{totals['embedded'] / max(elapsed, 1e-9):.0f} pairs/s so far"
+                f"{totals['embedded'] / max(elapsed, 1e-9):.0f} pairs/s so far",
             )
     seconds = time.perf_counter() - started
     return {

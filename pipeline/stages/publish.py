@@ -21,8 +21,8 @@ Contract:
 from __future__ import annotations
 
 import json
+import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,8 @@ from pipeline.io.labels import LABELS_SCHEMA, SUBSET_VALUES
 from pipeline.io.tables import read_json, write_json_atomic, write_table_atomic
 
 __all__ = ["ORACLE_SCHEMA", "publish_labels", "write_oracle_labels", "LabelViewMismatchError"]
+
+logger = logging.getLogger(__name__)
 
 SUMMARY_NAME = "_label_pass.json"
 AVERAGED = ("soft_label", "clean_prob", "loss", "cosine", "bicro", "rcr", "sps")
@@ -137,7 +139,6 @@ def publish_labels(
     round_index: int,
     job_hash: str,
     ground_truth: str | None = None,
-    log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Write the final label tables from two views' tables of one round (skip if done).
 
@@ -163,7 +164,7 @@ def publish_labels(
         and previous.get("round") == round_index
         and previous.get("shards_labelled") == list(shards)
     ):
-        log(f"labels: {out_dir}/ already published from round {round_index}, skipped")
+        logger.info(f"labels: {out_dir}/ already published from round {round_index}, skipped")
         return {**previous, "skipped": True}
     started = time.perf_counter()
     task = ray.remote(combine_shard).options(num_cpus=1, max_retries=2)

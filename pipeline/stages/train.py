@@ -34,7 +34,7 @@ import logging
 import math
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,6 +63,8 @@ from pipeline.io.tables import read_json, write_json_atomic
 from pipeline.models import ModelSpec, load_clip, load_transforms
 
 __all__ = ["TrainSpec", "ViewSpec", "run_training", "read_training_batches", "epoch_shard_order"]
+
+logger = logging.getLogger(__name__)
 
 LOG_EVERY_STEPS = 20
 TARGET_STATS = ("pairs", "weight", "reliable", "proxy")  # per-epoch sums, in the history
@@ -270,7 +272,6 @@ def _epoch_batches(spec: TrainSpec, view: ViewSpec, epoch: int, rank: int, world
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # the seeded order must survive the pipeline
     ctx.enable_progress_bars = False
-    logging.getLogger("ray.data").setLevel(logging.WARNING)  # a dataset per epoch: keep logs short
     shards = epoch_shard_order(spec.shards, view.seed, epoch)[rank::world]
     dataset = ray.data.from_items([{"path": p} for p in shards], override_num_blocks=len(shards))
     dataset = dataset.map_batches(
@@ -485,7 +486,6 @@ def _train_loop(config: dict) -> None:
     import ray.train.torch
 
     spec: TrainSpec = config["spec"]
-    logging.getLogger().setLevel(logging.WARNING)  # open_clip logs model building at INFO
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
     ctx = ray.train.get_context()
@@ -533,10 +533,9 @@ def _train_loop(config: dict) -> None:
                 names = " ".join(
                     f"{t.view.name}={x:.3f}" for t, x in zip(active, losses, strict=True)
                 )
-                print(
+                logger.info(
                     f"  round {spec.round_index} epoch {epoch} step {index + 1}/{steps}: loss "
-                    f"{names}, {rate:.0f} samples/s per view",
-                    flush=True,
+                    f"{names}, {rate:.0f} samples/s per view"
                 )
             if (
                 rank == 0
@@ -592,11 +591,10 @@ def _train_loop(config: dict) -> None:
             if rank == 0:
                 t.save()
                 shown = f", held-out rSum {rsum:.1f}" if rsum is not None else ""
-                print(
+                logger.info(
                     f"  round {spec.round_index} {t.view.name} epoch {epoch}: loss "
                     f"{epoch_loss:.3f}{shown}, {record['samples_per_s']:.0f} samples/s"
-                    + (f"; stop: {t.warmup.reason}" if t.stopped and spec.mode == "warmup" else ""),
-                    flush=True,
+                    + (f"; stop: {t.warmup.reason}" if t.stopped and spec.mode == "warmup" else "")
                 )
         ray.train.report({"epoch": epoch})
     if rank == 0:
@@ -659,7 +657,7 @@ def _torch_config():
     return _Config()
 
 
-def run_training(spec: TrainSpec, log: Callable[[str], None] = print) -> dict:
+def run_training(spec: TrainSpec) -> dict:
     """Train the views of `spec` on Ray Train (skipped when the round's training is complete).
 
     Returns:
@@ -671,7 +669,7 @@ def run_training(spec: TrainSpec, log: Callable[[str], None] = print) -> dict:
     layout = RunLayout(spec.output)
     done = read_json(layout.train_summary(spec.round_index))
     if done is not None:
-        log(f"train: round {spec.round_index} already complete, skipped")
+        logger.info(f"train: round {spec.round_index} already complete, skipped")
         return done
     if steps_per_epoch(spec, spec.workers) == 0:
         from pipeline.config import JobConfigError
@@ -686,7 +684,7 @@ def run_training(spec: TrainSpec, log: Callable[[str], None] = print) -> dict:
         import os
 
         storage = os.path.abspath(storage)
-    log(
+    logger.info(
         f"train: round {spec.round_index} ({spec.mode}), views "
         f"{', '.join(v.name for v in spec.views)}, {spec.workers} worker(s), "
         f"{'GPU' if spec.use_gpu else 'CPU'}, up to {spec.max_epochs} epochs"

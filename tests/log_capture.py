@@ -1,0 +1,35 @@
+"""What a run shows on the terminal, for tests whose fixtures outlive `capsys`/`caplog`."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from collections.abc import Iterator
+
+from pipeline.console import ConsoleFormatter, ConsoleHandler
+
+
+@contextlib.contextmanager
+def console_output() -> Iterator[list[str]]:
+    """Collects the lines the console shows on stdout while the block runs (filled on exit).
+
+    The `pipeline` logger gets the CLI's console handler at INFO (removed afterwards) and stdout
+    is redirected, so the lines are the records as `pipeline.console` formats them, plus
+    anything still printed on the driver.
+    """
+    logger = logging.getLogger("pipeline")
+    handler = ConsoleHandler()
+    handler.setFormatter(ConsoleFormatter())
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    out = io.StringIO()
+    lines: list[str] = []
+    try:
+        with contextlib.redirect_stdout(out):
+            yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        lines.extend(out.getvalue().splitlines())
