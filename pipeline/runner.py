@@ -118,6 +118,7 @@ def run_job(job: JobConfig) -> dict:
         check_weights_available(spec)
     manifest = _check_resume(job, layout)
 
+    logger.debug(f"input shards: {shard_paths}")
     where = init_ray(job.ray.address, job.ray.num_cpus)
     logger.info(
         f"ncl-pipeline: job '{job.name}', {len(shard_paths)} shards, {where}, "
@@ -133,6 +134,7 @@ def run_job(job: JobConfig) -> dict:
         }
     )
     manifest.setdefault("stages", {})
+    logger.debug(f"versions: {manifest['versions']}")
     write_json_atomic(manifest, layout.manifest)
 
     metrics = read_json(layout.metrics) or {}
