@@ -82,7 +82,7 @@ def _attach(level: int) -> logging.Logger:
     handler.setFormatter(ConsoleFormatter())
     target.addHandler(handler)
     target.setLevel(level)
-    # The console shows each record once: a handler on the root target (open_clip calls
+    # The console shows each record once: a handler on the root logger (open_clip calls
     # logging.basicConfig implicitly through `logging.info`) must not repeat it.
     target.propagate = False
     return target
