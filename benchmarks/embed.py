@@ -39,6 +39,7 @@ def time_pipeline(
     shards, spec: ModelSpec, batch: int, threads: int, cpus: float
 ) -> tuple[float, float]:
     """(end-to-end pairs/s incl. actor start, steady pairs/s from per-shard busy time)."""
+    from pipeline.config import EmbedConfig
     from pipeline.stages.embed import EmbedSpec, run_embed_pass
 
     with tempfile.TemporaryDirectory() as out:
@@ -46,17 +47,16 @@ def time_pipeline(
             output=out,
             round_index=0,
             views={"a": spec},
-            batch_size=batch,
             seed=0,
-            decode_threads=threads,
+            embed=EmbedConfig(
+                batch_size=batch,
+                decode_threads=threads,
+                concurrency=1,
+                cpus_per_worker=cpus,
+                gpus_per_worker=0,
+            ),
         )
-        summary = run_embed_pass(
-            embed_spec,
-            shards,
-            concurrency=1,
-            cpus_per_worker=cpus,
-            gpus_per_worker=0,
-        )
+        summary = run_embed_pass(embed_spec, shards)
         return (
             summary["embedded"] / summary["seconds"],
             summary["embedded"] / summary["actor_seconds"],

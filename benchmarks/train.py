@@ -31,6 +31,7 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
+from pipeline.config import TrainConfig  # noqa: E402
 from pipeline.core.train_losses import symmetric_infonce  # noqa: E402
 from pipeline.data.synthetic import make_corpus  # noqa: E402
 from pipeline.io.shards import Rejection, decode_record, iter_shard_records, shard_name  # noqa: E402
@@ -98,14 +99,17 @@ def train_spec(corpus, output: str, *, views, mode, epochs, select, batch, lr) -
         test_shards=tuple(str(p) for p in corpus.test_shards),
         mode=mode,
         max_epochs=epochs,
-        batch_size=batch,
-        lr=lr,
-        weight_decay=0.1,
-        warmup_select=select,
-        patience=epochs,
-        checkpoint_every_steps=0,
-        torch_threads=2,
-        lr_warmup_steps=100,
+        train=TrainConfig.model_validate(
+            {
+                "batch_size": batch,
+                "lr": lr,
+                "weight_decay": 0.1,
+                "warmup": {"mode": "select" if select else "all", "patience": epochs},
+                "checkpoint_every_steps": 0,
+                "torch_threads": 2,
+                "lr_warmup_steps": 100,
+            }
+        ),
     )
 
 

@@ -238,19 +238,12 @@ def _embed(
         output=layout.output,
         round_index=round_index,
         views=views,
-        batch_size=job.embed.batch_size,
         seed=job.seed,
+        embed=job.embed,
         decode=decode_options(job),
-        decode_threads=job.embed.decode_threads,
         write_quarantine=round_index == 0,  # the input does not change between rounds
     )
-    return run_embed_pass(
-        spec,
-        shard_paths,
-        concurrency=job.embed.concurrency,
-        cpus_per_worker=job.embed.cpus_per_worker,
-        gpus_per_worker=job.embed.gpus_per_worker,
-    )
+    return run_embed_pass(spec, shard_paths)
 
 
 def _shard_sizes(layout: RunLayout, round_index: int, shard_paths: list[str]) -> dict[str, int]:
@@ -289,21 +282,13 @@ def _train_settings(job: JobConfig, layout: RunLayout, shard_paths: list[str]) -
     test_shards = (
         expand_shard_patterns(job.eval.test_shards) if job.eval.test_shards is not None else []
     )
-    train = job.train
     return {
         "output": layout.output,
         "shards": tuple(shard_paths),
         "test_shards": tuple(test_shards),
-        "batch_size": train.batch_size,
-        "lr": train.lr,
-        "weight_decay": train.weight_decay,
-        "lr_warmup_steps": train.lr_warmup_steps,
-        "grad_clip": train.grad_clip,
+        "train": job.train,
         "precision": job.model.precision,
-        "workers": train.workers,
-        "torch_threads": train.torch_threads,
         "use_gpu": gpus > 0,
-        "checkpoint_every_steps": train.checkpoint_every_steps,
         "decode": decode_options(job),
     }
 
@@ -317,7 +302,6 @@ def warmup_spec(job: JobConfig, layout: RunLayout, shard_paths: list[str]):
         ViewSpec(name=name, init=initial[name.lower()], seed=job.seed + offset)
         for offset, name in enumerate(("A", "B"))
     )
-    warm = job.train.warmup
     return TrainSpec(
         **_train_settings(job, layout, shard_paths),
         round_index=0,
@@ -325,12 +309,6 @@ def warmup_spec(job: JobConfig, layout: RunLayout, shard_paths: list[str]):
         shard_sizes=_shard_sizes(layout, 0, shard_paths),
         mode="warmup",
         max_epochs=job.train.warmup_epochs,
-        loss=warm.loss,
-        warmup_select=warm.mode == "select",
-        select_ratio=warm.select_ratio,
-        first_epoch_all=warm.first_epoch_all,
-        plateau_fraction=warm.plateau_fraction,
-        patience=warm.patience,
     )
 
 
@@ -346,6 +324,7 @@ def coteach_spec(
     train.mode vanilla trains both on every pair (weight 1), oracle on the ground-truth clean
     pairs only: the same trainer, data path and schedule, for an honest comparison.
     """
+    from pipeline.core.labels import get_method
     from pipeline.stages.publish import write_oracle_labels
     from pipeline.stages.train import TrainSpec, ViewSpec
 
@@ -355,14 +334,14 @@ def coteach_spec(
     if train.mode == "oracle":
         embeddings = {shard: layout.embeddings(round_index, shard) for shard in sizes}
         sizes = write_oracle_labels(job.eval.ground_truth, embeddings, oracle_dir)
-    method = job.labels.method
+    method = get_method(job.labels.method)
     models = round_models(job, checkpoints)
     views = []
     for offset, (name, peer) in enumerate((("A", "b"), ("B", "a"))):
-        labels_dir, proxies_dir, targets = None, None, "weights"
+        labels_dir, proxies_dir, target = None, None, "weights"
         if train.mode == "coteach":
-            labels_dir, targets = layout.labels_round_dir(round_index, peer), method
-            if method == "sps":
+            labels_dir, target = layout.labels_round_dir(round_index, peer), method.training_target
+            if method.proxy_table:
                 proxies_dir = layout.sps_proxies_dir(round_index, peer)
         elif train.mode == "oracle":
             labels_dir = oracle_dir
@@ -373,7 +352,7 @@ def coteach_spec(
                 # A new data order every round (the epoch counter restarts in each run).
                 seed=job.seed + offset + 1000 * round_index,
                 labels_dir=labels_dir,
-                method=targets,
+                target=target,
                 proxies_dir=proxies_dir,
             )
         )
@@ -385,13 +364,7 @@ def coteach_spec(
         shard_sizes=sizes,
         mode="labels",
         max_epochs=epochs,
-        label_loss=train.label_loss,
         coteach_epochs=((round_index - 1) * epochs, train.rounds * epochs),
-        bicro_noisy_start=train.bicro.noisy_start,
-        sps_quasi_start=train.sps.quasi_start,
-        sps_noisy_start=train.sps.noisy_start,
-        sps_lambda_cro=train.sps.lambda_cro if method == "sps" else 0.0,
-        sps_lambda_met=train.sps.lambda_met if method == "sps" else 0.0,
     )
 
 

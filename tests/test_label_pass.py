@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from label_fixtures import write_blob_run
 
-from pipeline.config import IndexConfig, LabelsConfig
+from pipeline.config import EmbedConfig, IndexConfig, LabelsConfig
 from pipeline.core.labels.in_memory import label_in_memory
 from pipeline.core.mixture import MixtureFit, clean_posterior
 from pipeline.io.labels import LABELS_SCHEMA, SPS_PROXIES_SCHEMA, labels_json_schema
@@ -374,11 +374,12 @@ def two_view_run(local_ray, tmp_path_factory) -> dict:
         output=str(root / "run"),
         round_index=0,
         views={"a": ModelSpec("ncl-tiny", None, seed=1), "b": ModelSpec("ncl-tiny", None, seed=2)},
-        batch_size=16,
         seed=0,
-        decode_threads=2,
+        embed=EmbedConfig(
+            batch_size=16, decode_threads=2, concurrency=1, cpus_per_worker=1, gpus_per_worker=0
+        ),
     )
-    summary = run_embed_pass(spec, paths, concurrency=1, cpus_per_worker=1, gpus_per_worker=0)
+    summary = run_embed_pass(spec, paths)
     assert summary["embedded"] == 120 and not summary["shards_failed"]
     shards = [shard_name(p) for p in paths]
     tables = [

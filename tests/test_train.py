@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipeline.config import TrainConfig
 from pipeline.data.synthetic import make_corpus
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import shard_name
@@ -45,12 +46,16 @@ def _spec(corpus, output: Path, **changes) -> TrainSpec:
         test_shards=tuple(str(p) for p in corpus.test_shards),
         mode="warmup",
         max_epochs=4,
-        batch_size=64,
-        lr=1e-3,
-        weight_decay=0.1,
-        grad_clip=1.0,
-        patience=10,
-        checkpoint_every_steps=3,
+        train=TrainConfig.model_validate(
+            {
+                "batch_size": 64,
+                "lr": 1e-3,
+                "weight_decay": 0.1,
+                "grad_clip": 1.0,
+                "warmup": {"patience": 10},
+                "checkpoint_every_steps": 3,
+            }
+        ),
     )
     return dataclasses.replace(spec, **changes)
 
@@ -87,7 +92,7 @@ def test_resume_after_a_failure_mid_epoch_gives_identical_weights(local_ray, cor
     """A run killed mid-epoch resumes from its last step checkpoint and skips the consumed
     batches; the data order is a pure function of (seed, epoch), so the result is bit-identical
     to an uninterrupted run (CPU, deterministic kernels)."""
-    base = dict(max_epochs=2, test_shards=(), checkpoint_every_steps=3)
+    base = dict(max_epochs=2, test_shards=())
     reference = tmp_path / "reference"
     run_training(_spec(corpus, reference, **base))
 

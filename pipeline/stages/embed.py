@@ -34,6 +34,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from pipeline.config import EmbedConfig
 from pipeline.core.losses import fixed_size_loss_batches, infonce_per_sample, triplet_per_sample
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import (
@@ -75,10 +76,9 @@ class EmbedSpec:
     output: str  # run directory
     round_index: int
     views: dict[str, ModelSpec]  # view name ("a", "b") -> model; one pass scores every view
-    batch_size: int  # fixed loss batch b
     seed: int
+    embed: EmbedConfig = field(default_factory=EmbedConfig)  # the job's embed section
     decode: DecodeOptions = field(default_factory=DecodeOptions)
-    decode_threads: int = 4
     write_quarantine: bool = True  # only round 0 records quarantine; later rounds re-read
     device: str = "auto"
 
@@ -108,7 +108,7 @@ class EmbedShardStage:
     def __init__(self, spec: EmbedSpec):
         self.spec = spec
         self.models = {view: load_clip(model, spec.device) for view, model in spec.views.items()}
-        self.pool = ThreadPoolExecutor(max_workers=spec.decode_threads)
+        self.pool = ThreadPoolExecutor(max_workers=spec.embed.decode_threads)
         torch.set_grad_enabled(False)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -209,7 +209,7 @@ def embed_shard(
                 buffers.rejections.append(item)
                 continue
             chunk.append(item)
-            if len(chunk) == spec.batch_size:
+            if len(chunk) == spec.embed.batch_size:
                 futures = _decode_chunk(chunk, spec, first_model, pool)
                 if pending is not None:
                     _embed_decoded(pending, buffers, models)
@@ -242,7 +242,7 @@ def embed_shard(
         "quarantined": len(buffers.rejections),
         "reasons": json.dumps(dict(sorted(reasons.items()))),
         "ignored_members": json.dumps(dict(sorted(stats.ignored_members.items()))),
-        "short_batches": int(0 < n < spec.batch_size),
+        "short_batches": int(0 < n < spec.embed.batch_size),
         "seconds": time.perf_counter() - started,
         "error": error,
         "warning": "" if error else (stats.error or ""),
@@ -258,7 +258,7 @@ def _write_embeddings(
 ) -> None:
     n = len(buffers.keys)
     rng = np.random.default_rng([spec.seed, spec.round_index, zlib.crc32(shard.encode())])
-    batches = fixed_size_loss_batches(n, spec.batch_size, rng)
+    batches = fixed_size_loss_batches(n, spec.embed.batch_size, rng)
     columns: dict[str, object] = {
         "key": buffers.keys,
         "shard": [shard] * n,
@@ -269,7 +269,7 @@ def _write_embeddings(
     metadata = {
         "ncl.schema": "embeddings.v1",
         "ncl.round": str(spec.round_index),
-        "ncl.batch_size": str(spec.batch_size),
+        "ncl.batch_size": str(spec.embed.batch_size),
         "ncl.seed": str(spec.seed),
     }
     dim = 0
@@ -302,14 +302,7 @@ def _write_embeddings(
 # Driver side: the thin Ray Data wrapper.
 
 
-def run_embed_pass(
-    spec: EmbedSpec,
-    shard_paths: list[str],
-    *,
-    concurrency: int | str,
-    cpus_per_worker: float,
-    gpus_per_worker: float,
-) -> dict:
+def run_embed_pass(spec: EmbedSpec, shard_paths: list[str]) -> dict:
     """Embed every shard whose output is missing, on a Ray Data actor pool.
 
     The actors send nothing to the terminal: each returns its shard's summary row and the
@@ -324,6 +317,8 @@ def run_embed_pass(
     from pipeline.io.tables import file_exists
     from pipeline.runtime import cluster_resources
 
+    concurrency = spec.embed.concurrency
+    cpus_per_worker, gpus_per_worker = spec.embed.cpus_per_worker, spec.embed.gpus_per_worker
     layout = RunLayout(spec.output)
     pending = [
         p

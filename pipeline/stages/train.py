@@ -1,8 +1,8 @@
 """Training stage: two models (views A and B) on Ray Train, data streamed by Ray Data.
 
 Contract:
-- `run_training(spec, ...)` runs one `TorchTrainer` (DDP over `spec.workers`, one GPU per worker
-  when the cluster has GPUs) that trains BOTH views in lockstep, each with its own seed, data
+- `run_training(spec, ...)` runs one `TorchTrainer` (DDP over `spec.train.workers`, one GPU per
+  worker when the cluster has GPUs) that trains BOTH views in lockstep, each with its own seed, data
   order, optimizer and (optionally) its own label table; one trainer per round instead of one
   per view halves Ray Train's start-up cost.
 - Data: every epoch, each view's shards are read through Ray Data with the embed pass's decode
@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pipeline.config import TrainConfig
 from pipeline.core.coteach import Phase, coteach_phase, training_targets
 from pipeline.core.losses import infonce_per_sample, triplet_per_sample
 from pipeline.core.schedule import WarmupState, cosine_lr, update_warmup
@@ -79,46 +80,34 @@ class ViewSpec:
     seed: int  # data order (and random init) seed
     labels_dir: str | None = None  # label table to join by key; None = every pair weight 1
     label_column: str = "soft_label"
-    method: str = "weights"  # how label rows become targets (pipeline.core.coteach)
+    target: str = "weights"  # how label rows become training targets (core.coteach)
     proxies_dir: str | None = None  # SPS proxy pairs (key -> proxy caption, y_p)
 
 
 @dataclass(frozen=True)
 class TrainSpec:
+    """One training run (the warm-up, or one co-teaching round) of the two views.
+
+    The optimisation, warm-up and co-teaching settings are the job's validated `train` section
+    itself (defaults and checks live in `pipeline.config` only); the rest says what to train
+    on and where this run sits among the rounds.
+    """
+
     output: str
     round_index: int
     views: tuple[ViewSpec, ...]
     shards: tuple[str, ...]
     shard_sizes: dict[str, int]  # usable samples per shard (from the embed pass): steps/epoch
+    train: TrainConfig = field(default_factory=TrainConfig)
+    precision: str = "fp32"  # the job's model.precision
+    decode: DecodeOptions = field(default_factory=DecodeOptions)
     test_shards: tuple[str, ...] = ()
     mode: str = "warmup"  # "warmup" | "labels" (co-teaching on joined label tables)
-    max_epochs: int = 1
-    batch_size: int = 256
-    lr: float = 5e-7
-    weight_decay: float = 0.2
-    lr_warmup_steps: int = 0
-    grad_clip: float = 1.0
-    precision: str = "fp32"
-    loss: str = "infonce"  # "infonce" | "triplet" (parity with BiCro/NCR)
-    warmup_select: bool = False  # BiCro small-loss selection once off the plateau
-    select_ratio: float = 0.3
-    first_epoch_all: bool = True
-    plateau_fraction: float = 0.9
-    patience: int = 2
-    workers: int = 1
+    max_epochs: int = 1  # train.warmup_epochs or train.epochs_per_round
     use_gpu: bool = False
-    checkpoint_every_steps: int = 0
-    torch_threads: int | None = None  # CPU training: intra-op threads (Ray's default is 1)
-    decode: DecodeOptions = field(default_factory=DecodeOptions)
-    label_loss: str = "weighted_infonce"  # | "soft_margin_triplet" (BiCro parity)
     # (co-teaching epochs before this round, all co-teaching epochs): the subset schedule and
     # one LR curve over every round; (0, 0) = this run alone.
     coteach_epochs: tuple[int, int] = (0, 0)
-    bicro_noisy_start: float = 0.5
-    sps_quasi_start: float = 0.25
-    sps_noisy_start: float = 0.375
-    sps_lambda_cro: float = 25.0
-    sps_lambda_met: float = 25.0
     fail_after_steps: int | None = None  # fault injection for the resume test only
 
 
@@ -190,7 +179,7 @@ def _targets(
     """(weights, reliable flags, proxy captions or None) of the shard's samples, in order."""
     rows = np.array([labels.row[k] for k in keys], dtype=np.int64)
     proxy = labels.proxy_label[rows] if labels.proxy_label is not None else None
-    targets = training_targets(view.method, phase, labels.subset[rows], labels.label[rows], proxy)
+    targets = training_targets(view.target, phase, labels.subset[rows], labels.label[rows], proxy)
     captions: list[str | None] = [None] * len(keys)
     for i in np.flatnonzero(targets.use_proxy):
         captions[i] = labels.proxy_caption[rows[i]]
@@ -259,10 +248,10 @@ def epoch_phase(spec: TrainSpec, view: ViewSpec, epoch: int) -> Phase:
     return coteach_phase(
         before + epoch,
         total,
-        bicro_noisy_start=spec.bicro_noisy_start,
-        sps_quasi_start=spec.sps_quasi_start,
-        sps_noisy_start=spec.sps_noisy_start,
-        target=view.method,
+        bicro_noisy_start=spec.train.bicro.noisy_start,
+        sps_quasi_start=spec.train.sps.quasi_start,
+        sps_noisy_start=spec.train.sps.noisy_start,
+        target=view.target,
     )
 
 
@@ -286,7 +275,7 @@ def _epoch_batches(spec: TrainSpec, view: ViewSpec, epoch: int, rank: int, world
         },
     )
     return dataset.iter_torch_batches(
-        batch_size=spec.batch_size,
+        batch_size=spec.train.batch_size,
         drop_last=True,
         prefetch_batches=2,
         dtypes={
@@ -304,7 +293,7 @@ def steps_per_epoch(spec: TrainSpec, world: int) -> int:
     per_rank = [0] * world
     for index, path in enumerate(spec.shards):
         per_rank[index % world] += spec.shard_sizes.get(shard_name(path), 0)
-    return max(min(per_rank) // spec.batch_size, 0)
+    return max(min(per_rank) // spec.train.batch_size, 0)
 
 
 # ------------------------------------------------------------------------------------------
@@ -326,16 +315,16 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def _label_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, weight, reliable):
     """Co-teaching objective on the peer's labels (docs/methods.md §10.5)."""
-    if spec.label_loss == "soft_margin_triplet":
+    if spec.train.label_loss == "soft_margin_triplet":
         # Averaged rather than summed as in the references, so one LR fits both losses.
         margins = soft_margin(weight)
         loss = soft_margin_triplet(image_emb, text_emb, margins, reduction="none").mean()
     else:
         loss = weighted_infonce(image_emb, text_emb, logit_scale, weight)
     rows = reliable > 0.5
-    if int(rows.sum()) >= 2 and (spec.sps_lambda_cro > 0 or spec.sps_lambda_met > 0):
+    if int(rows.sum()) >= 2 and (spec.train.sps.lambda_cro > 0 or spec.train.sps.lambda_met > 0):
         l_cro, l_met = sps_consistency_losses(image_emb[rows], text_emb[rows])
-        loss = loss + spec.sps_lambda_cro * l_cro + spec.sps_lambda_met * l_met
+        loss = loss + spec.train.sps.lambda_cro * l_cro + spec.train.sps.lambda_met * l_met
     return loss
 
 
@@ -354,9 +343,11 @@ def _step_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, batch, selecti
     scale = logit_scale.detach() if selecting else logit_scale
     loss_i2t, loss_t2i = infonce_per_sample(image_emb, text_emb, scale)
     plain = 0.5 * (loss_i2t + loss_t2i)  # (B,)
-    per_sample = triplet_per_sample(image_emb, text_emb) if spec.loss == "triplet" else plain
+    per_sample = (
+        triplet_per_sample(image_emb, text_emb) if spec.train.warmup.loss == "triplet" else plain
+    )
     if selecting:
-        keep = select_small_loss(per_sample.detach(), spec.select_ratio)
+        keep = select_small_loss(per_sample.detach(), spec.train.warmup.select_ratio)
         return per_sample[keep].mean(), plain.mean()
     return per_sample.mean(), plain.mean()
 
@@ -380,8 +371,8 @@ class _ViewTrainer:
         self.loaded.model.train()
         self.model = ray.train.torch.prepare_model(self.loaded.model, move_to_device=False)
         self.optimizer = torch.optim.AdamW(
-            _param_groups(self.loaded.model, spec.weight_decay),
-            lr=spec.lr,
+            _param_groups(self.loaded.model, spec.train.weight_decay),
+            lr=spec.train.lr,
             betas=(0.9, 0.98),
             eps=1e-6,
         )
@@ -440,13 +431,16 @@ class _ViewTrainer:
         spec = self.spec
         selecting = (
             spec.mode == "warmup"
-            and spec.warmup_select
+            and (spec.train.warmup.mode == "select")
             and self.warmup.left_plateau
-            and not (spec.first_epoch_all and self.epoch == 0)
+            and not (spec.train.warmup.first_epoch_all and self.epoch == 0)
         )
         for group in self.optimizer.param_groups:
             group["lr"] = cosine_lr(
-                self.step + self.step_offset, self.total_steps, spec.lr_warmup_steps, spec.lr
+                self.step + self.step_offset,
+                self.total_steps,
+                spec.train.lr_warmup_steps,
+                spec.train.lr,
             )
         pixels = batch["pixels"].to(device, non_blocking=True)  # (B, 3, H, W)
         tokens = batch["tokens"].to(device, non_blocking=True)  # (B, L)
@@ -463,8 +457,8 @@ class _ViewTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
-        if spec.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.loaded.model.parameters(), spec.grad_clip)
+        if spec.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.loaded.model.parameters(), spec.train.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         with torch.no_grad():  # CLIP clamps the temperature at 100
@@ -486,8 +480,8 @@ def _train_loop(config: dict) -> None:
     import ray.train.torch
 
     spec: TrainSpec = config["spec"]
-    if spec.torch_threads:
-        torch.set_num_threads(spec.torch_threads)
+    if spec.train.torch_threads:
+        torch.set_num_threads(spec.train.torch_threads)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device()
@@ -495,7 +489,7 @@ def _train_loop(config: dict) -> None:
     if steps == 0:
         raise ValueError(
             f"round {spec.round_index}: fewer usable samples than one batch of "
-            f"{spec.batch_size} per worker; lower train.batch_size or train.workers"
+            f"{spec.train.batch_size} per worker; lower train.batch_size or train.workers"
         )
     before, total = spec.coteach_epochs
     if total:  # one LR curve over all co-teaching rounds
@@ -505,7 +499,7 @@ def _train_loop(config: dict) -> None:
     trainers = [_ViewTrainer(spec, view, device, **schedule) for view in spec.views]
     eval_set = None
     if rank == 0 and spec.test_shards:
-        from pipeline.stages.evaluate import load_eval_set
+        from pipeline.evaluation import load_eval_set
 
         eval_set = load_eval_set(
             spec.test_shards,
@@ -526,7 +520,7 @@ def _train_loop(config: dict) -> None:
             if index < skip:
                 continue
             losses = [t.train_step(b, device) for t, b in zip(active, batches, strict=True)]
-            seen += spec.batch_size * world
+            seen += spec.train.batch_size * world
             injected += 1
             if rank == 0 and (index + 1) % LOG_EVERY_STEPS == 0:
                 rate = seen / (time.perf_counter() - started)
@@ -539,8 +533,8 @@ def _train_loop(config: dict) -> None:
                 )
             if (
                 rank == 0
-                and spec.checkpoint_every_steps
-                and (index + 1) % spec.checkpoint_every_steps == 0
+                and spec.train.checkpoint_every_steps
+                and (index + 1) % spec.train.checkpoint_every_steps == 0
             ):
                 for t in active:
                     t.save()
@@ -549,7 +543,7 @@ def _train_loop(config: dict) -> None:
         seconds = time.perf_counter() - started
         results = {}
         if eval_set is not None:
-            from pipeline.stages.evaluate import evaluate_models
+            from pipeline.evaluation import evaluate_models
 
             results = evaluate_models({t.view.name: t.loaded for t in active}, eval_set)
         for t in active:
@@ -571,11 +565,11 @@ def _train_loop(config: dict) -> None:
                 t.warmup = update_warmup(
                     t.warmup,
                     epoch_loss=epoch_loss,
-                    batch_size=spec.batch_size,
+                    batch_size=spec.train.batch_size,
                     rsum=rsum,
                     max_epochs=spec.max_epochs,
-                    plateau_fraction=spec.plateau_fraction,
-                    patience=spec.patience,
+                    plateau_fraction=spec.train.warmup.plateau_fraction,
+                    patience=spec.train.warmup.patience,
                 )
                 if rank == 0 and rsum is not None and t.warmup.best_epoch == t.warmup.epochs_done:
                     save_torch_atomic(
@@ -624,7 +618,7 @@ def _finish(spec: TrainSpec, trainers: list[_ViewTrainer], eval_set) -> None:
             "checkpoint": layout.model_checkpoint(spec.round_index, t.view.name),
         }
     if eval_set is not None:
-        from pipeline.stages.evaluate import evaluate_models
+        from pipeline.evaluation import evaluate_models
 
         summary["retrieval"] = evaluate_models({t.view.name: t.loaded for t in trainers}, eval_set)
         summary["retrieval_test_pairs"] = eval_set.n_texts
@@ -671,13 +665,13 @@ def run_training(spec: TrainSpec) -> dict:
     if done is not None:
         logger.info(f"train: round {spec.round_index} already complete, skipped")
         return done
-    if steps_per_epoch(spec, spec.workers) == 0:
+    if steps_per_epoch(spec, spec.train.workers) == 0:
         from pipeline.config import JobConfigError
 
         usable = sum(spec.shard_sizes.values())
         raise JobConfigError(
-            f"train.batch_size={spec.batch_size} x train.workers={spec.workers} is more than "
-            f"the {usable} usable samples can fill once; lower train.batch_size"
+            f"train.batch_size={spec.train.batch_size} x train.workers={spec.train.workers} is "
+            f"more than the {usable} usable samples can fill once; lower train.batch_size"
         )
     storage = f"{layout.round_dir(spec.round_index)}/ray_train"
     if "://" not in storage:
@@ -686,14 +680,14 @@ def run_training(spec: TrainSpec) -> dict:
         storage = os.path.abspath(storage)
     logger.info(
         f"train: round {spec.round_index} ({spec.mode}), views "
-        f"{', '.join(v.name for v in spec.views)}, {spec.workers} worker(s), "
+        f"{', '.join(v.name for v in spec.views)}, {spec.train.workers} worker(s), "
         f"{'GPU' if spec.use_gpu else 'CPU'}, up to {spec.max_epochs} epochs"
     )
     trainer = TorchTrainer(
         _train_loop,
         train_loop_config={"spec": spec},
         torch_config=_torch_config(),
-        scaling_config=ScalingConfig(num_workers=spec.workers, use_gpu=spec.use_gpu),
+        scaling_config=ScalingConfig(num_workers=spec.train.workers, use_gpu=spec.use_gpu),
         run_config=RunConfig(
             storage_path=storage, name="train", failure_config=FailureConfig(max_failures=0)
         ),
