@@ -29,7 +29,7 @@ def test_no_stage_imports_another_stage():
     for path in (PACKAGE / "stages").rglob("*.py"):
         own = path.relative_to(PACKAGE / "stages").parts[0].removesuffix(".py")
         others = {_stage_of(m) for m in _imports(path)} - {None, own}
-        assert not others, f"{path} imports the stage(s) {sorted(others)}: move the shared part down"
+        assert not others, f"{path} imports stage(s) {sorted(others)}: move the shared part down"
 
 
 def test_no_test_imports_a_private_name_of_a_stage():
