@@ -441,19 +441,17 @@ def _export_keys(spec: ExportSpec, files: dict[str, str]) -> dict[str, Any]:
 
 
 def open_clip_command(summary: dict[str, Any], model: str = "ViT-B-32") -> str:
-    """The open_clip command line that trains on a `wds` export (`python -m open_clip_train`).
+    """The open_clip command line that trains on a `wds` export.
 
-    Models from this package's configs (e.g. ncl-tiny) go through `pipeline.train_open_clip`,
-    which registers them with open_clip first.
+    It runs open_clip's own trainer through `pipeline.train_open_clip`, which registers this
+    package's model configs (e.g. ncl-tiny) and fixes open_clip_train's known incompatibility
+    with current webdataset releases (see that module); the arguments are open_clip_train's.
     """
-    from pipeline.models.clip import MODEL_CONFIG_DIR
-
-    ours = (MODEL_CONFIG_DIR / f"{model}.json").exists()
-    entry = "pipeline.train_open_clip" if ours else "open_clip_train.main"
     workers = max(1, min(4, summary.get("shards") or 1))  # open_clip: shards >= workers
     return (
-        f"python -m {entry} --train-data '{summary['pattern']}' --dataset-type webdataset "
-        f"--model {model} --batch-size 256 --epochs 1 --workers {workers}"
+        f"python -m pipeline.train_open_clip --train-data '{summary['pattern']}' "
+        f"--dataset-type webdataset --model {model} --batch-size 256 --epochs 1 "
+        f"--workers {workers}"
     )
 
 
