@@ -9,8 +9,8 @@ Contract:
   ids downstream joins need; no v1 column changed name, type, order or meaning. What a reader
   of v1 sees in a v2 file: the same first 15 columns, two more at the end (pandas, polars,
   DuckDB, Spark and pyarrow read them as ordinary columns; code that selects columns by name is
-  unaffected), and `ncl.schema=labels.v2`, which a strict v1 checker (pipeline <= 0.1's
-  `read_labels`) refuses with "not a labels.v1 label table" rather than misreading. Readers of
+  unaffected), and `ncl.schema=labels.v2`, which a strict v1 checker (the `read_labels` of
+  releases before v2) refuses with "not a labels.v1 label table" rather than misreading. Readers of
   this version accept both (`READABLE_SCHEMA_NAMES`); a v1 file reads with both new columns null.
   `LABELS_V1_SCHEMA` (the first 15 columns) and `schemas/labels.v1.json` stay for reference.
 - `uid` (DataComp's convention): the sample json's `uid` when it is 32 hex digits, else the first
