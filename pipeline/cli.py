@@ -28,11 +28,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from pipeline.labels import LabelTableError
     from pipeline.models import ModelLoadError
     from pipeline.runner import RunConflictError
+    from pipeline.stages.export import ExportError
     from pipeline.submit import SubmitError
 
     return (
         JobConfigError,
         ExportConflictError,
+        ExportError,
         ShardPatternError,
         LabelTableError,
         ModelLoadError,

@@ -106,9 +106,9 @@ class ExportSpec:
             raise ValueError(f"samples_per_shard={self.samples_per_shard} must be positive")
         if self.repeat_by_label is not None:
             if self.format != "uid":
-                raise ValueError("repeat_by_label applies to --format uid only")
+                raise ValueError("--repeat-by-label applies to --format uid only")
             if not self.repeat_by_label > 0:
-                raise ValueError(f"repeat_by_label={self.repeat_by_label} must be positive")
+                raise ValueError(f"--repeat-by-label {self.repeat_by_label} must be positive")
 
     def options(self) -> dict[str, Any]:
         """What the output depends on (recorded in the plan; a rerun must match it)."""
