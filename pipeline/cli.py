@@ -1,4 +1,4 @@
-"""The `ncl-pipeline` command line: run, submit, make-corpus, validate, schemas.
+"""The `ncl-pipeline` command line: run, submit, make-corpus, validate, export, schemas.
 
 Errors a user can fix (bad job file, missing shards, missing weights, a conflicting run
 directory) are printed as one `error:` message and exit with status 2, without a traceback.
@@ -34,14 +34,18 @@ def _console() -> None:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from pipeline.config import JobConfigError
+    from pipeline.export import ExportConflictError
     from pipeline.io.shards import ShardPatternError
     from pipeline.labels import LabelTableError
     from pipeline.models import ModelLoadError
     from pipeline.runner import RunConflictError
+    from pipeline.stages.export import ExportError
     from pipeline.submit import SubmitError
 
     return (
         JobConfigError,
+        ExportConflictError,
+        ExportError,
         ShardPatternError,
         LabelTableError,
         ModelLoadError,
@@ -183,6 +187,52 @@ def report(
     from pipeline.report import write_report
 
     typer.echo(f"wrote {_guard(write_report, run_dir, view=view)}")
+
+
+@app.command()
+def export(
+    run_dir: str = typer.Argument(..., help="Run directory (the job's output) with labels/."),
+    out: str = typer.Option(..., "--out", help="Export directory (created; must be empty)."),
+    format: str = typer.Option(
+        "wds", "--format", help="wds (webdataset tars) | uid (DataComp subset file) | keys."
+    ),
+    min_label: float = typer.Option(0.0, "--min-label", help="Keep soft_label >= this."),
+    subset: str = typer.Option(
+        "clean,quasi_clean", "--subset", help="Keep these subsets (comma-separated)."
+    ),
+    samples_per_shard: int = typer.Option(
+        10_000, "--samples-per-shard", help="wds: pairs per output shard."
+    ),
+    repeat_by_label: float = typer.Option(
+        None, "--repeat-by-label", help="uid: write each uid round(R*label) times (upsampling)."
+    ),
+    seed: int = typer.Option(0, help="uid: seed of --repeat-by-label's stochastic rounding."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a previous export."),
+    shards: list[str] = typer.Option(
+        None, "--shards", help="Input tars, when they moved since the run (brace pattern)."
+    ),
+    address: str = typer.Option(None, "--address", help="Ray cluster (default: local Ray)."),
+) -> None:
+    """Export the kept pairs for training: webdataset shards, DataComp uid file, or key list."""
+    from pipeline.export import ExportSpec, export_run, format_summary, run_model_name
+
+    try:
+        spec = ExportSpec(
+            run=run_dir,
+            out=out,
+            format=format,
+            min_label=min_label,
+            subsets=tuple(s.strip() for s in subset.split(",") if s.strip()),
+            samples_per_shard=samples_per_shard,
+            repeat_by_label=repeat_by_label,
+            seed=seed,
+            overwrite=overwrite,
+            shards=tuple(shards) if shards else None,
+        )
+    except ValueError as exc:
+        _fail(str(exc))
+    summary = _guard(export_run, spec, address=address)
+    typer.echo(format_summary(summary, run_model_name(run_dir)))
 
 
 @app.command(hidden=True)

@@ -1,8 +1,9 @@
-"""Public reader of the soft-label tables (`labels.v1`, docs/architecture.md §4.4).
+"""Public reader of the soft-label tables (`labels.v2`, and `labels.v1`; docs/architecture.md §4.4).
 
 Contract: `read_labels(path)` returns a `pyarrow.dataset.Dataset` over one folder of label
-tables, with the explicit `LABELS_SCHEMA`, after checking that every file declares
-`ncl.schema=labels.v1` in its Parquet metadata. It reads nothing else: filter, project and
+tables, with the explicit (current) `LABELS_SCHEMA`, after checking that every file declares
+`ncl.schema=labels.v1` or `labels.v2` in its Parquet metadata. A v1 file reads with the columns
+v2 appended (`uid`, `image_sha256`) null. It reads nothing else: filter, project and
 convert with pyarrow (`.to_table(columns=[...], filter=...)`, `.to_batches()`), or hand the
 files to pandas / polars / DuckDB / Spark.
 """
@@ -13,13 +14,13 @@ import os
 
 import pyarrow.dataset as ds
 
-from pipeline.io.labels import LABELS_SCHEMA, LABELS_SCHEMA_NAME
+from pipeline.io.labels import LABELS_SCHEMA, READABLE_SCHEMA_NAMES
 
 __all__ = ["LabelTableError", "labels_folder", "read_labels"]
 
 
 class LabelTableError(ValueError):
-    """The path holds no label tables, or a file that is not a `labels.v1` table."""
+    """The path holds no label tables, or a file that is not a `labels.v1`/`labels.v2` table."""
 
 
 def _fs(path: str):
@@ -75,7 +76,7 @@ def labels_folder(path: str | os.PathLike, view: str | None = None) -> tuple[obj
 
 
 def read_labels(path: str | os.PathLike, *, view: str | None = None) -> ds.Dataset:
-    """The label tables under `path` as one pyarrow Dataset (schema `labels.v1`).
+    """The label tables under `path` as one pyarrow Dataset (schema `labels.v2`).
 
     Args:
         path: run directory, label folder or round directory (see `labels_folder`); a local
@@ -86,7 +87,8 @@ def read_labels(path: str | os.PathLike, *, view: str | None = None) -> ds.Datas
         A `pyarrow.dataset.Dataset` with schema `LABELS_SCHEMA`, one fragment per shard.
 
     Raises:
-        LabelTableError: no label tables, or a file whose `ncl.schema` is not `labels.v1`.
+        LabelTableError: no label tables, or a file whose `ncl.schema` is neither `labels.v1`
+            nor `labels.v2`.
     """
     import pyarrow.parquet as pq
 
@@ -96,9 +98,10 @@ def read_labels(path: str | os.PathLike, *, view: str | None = None) -> ds.Datas
         with fs.open(name, "rb") as handle:
             metadata = pq.read_schema(handle).metadata or {}
         found = metadata.get(b"ncl.schema", b"").decode()
-        if found != LABELS_SCHEMA_NAME:
+        if found not in READABLE_SCHEMA_NAMES:
             raise LabelTableError(
-                f"{name} is not a {LABELS_SCHEMA_NAME} label table (ncl.schema={found or 'none'})"
+                f"{name} is not a {' or '.join(READABLE_SCHEMA_NAMES)} label table "
+                f"(ncl.schema={found or 'none'})"
             )
     local = getattr(fs, "protocol", None) in ("file", ("file", "local"))
     return ds.dataset(

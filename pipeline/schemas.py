@@ -1,7 +1,9 @@
 """JSON exports of the project's contracts, generated from the code (docs/architecture.md §4.4).
 
-`schemas/job.schema.json` is the job file's JSON Schema, `schemas/labels.v1.json` the label
-table's columns and file metadata (docs/architecture.md §4.4); a test fails when the committed file
+`schemas/job.schema.json` is the job file's JSON Schema, `schemas/labels.v2.json` the label
+table's columns and file metadata (docs/architecture.md §4.4; `labels.v1.json`, the previous
+version, is kept
+for readers of old runs); a test fails when the committed file
 differs from what this module generates (`ncl-pipeline schemas` rewrites them).
 """
 
@@ -18,7 +20,11 @@ __all__ = ["generated_schemas", "write_schemas"]
 
 def generated_schemas() -> dict[str, dict]:
     """File name -> JSON document, for every exported schema."""
-    return {"job.schema.json": job_json_schema(), "labels.v1.json": labels_json_schema()}
+    return {
+        "job.schema.json": job_json_schema(),
+        "labels.v1.json": labels_json_schema("labels.v1"),
+        "labels.v2.json": labels_json_schema("labels.v2"),
+    }
 
 
 def render(document: dict) -> str:

@@ -1,11 +1,23 @@
-"""The soft-label table `labels.v1` (docs/architecture.md §4.4): its one explicit schema and
+"""The soft-label table `labels.v2` (docs/architecture.md §4.4): its one explicit schema and
 its JSON export.
 
 Contract:
 - `LABELS_SCHEMA` is the only definition of the label table. The label pass writes every file
   with it (plus per-file metadata from `labels_file_metadata`), `pipeline.labels.read_labels`
-  reads with it, and `schemas/labels.v1.json` is generated from it (`labels_json_schema`).
-- File-level metadata always holds `ncl.schema=labels.v1`, the pipeline version, the job hash,
+  reads with it, and `schemas/labels.v2.json` is generated from it (`labels_json_schema`).
+- Versions (contracts change only by a versioned, documented step). `labels.v2` =
+  `labels.v1` + two nullable columns appended at the end, `uid` and `image_sha256`, the stable
+  ids downstream joins need; no v1 column changed name, type, order or meaning. What a reader
+  of v1 sees in a v2 file: the same first 15 columns, two more at the end (pandas, polars,
+  DuckDB, Spark and pyarrow read them as ordinary columns; code that selects columns by name is
+  unaffected), and `ncl.schema=labels.v2`, which a strict v1 checker (the `read_labels` of
+  releases before v2) refuses with "not a labels.v1 label table" rather than misreading. Readers of
+  this version accept both (`READABLE_SCHEMA_NAMES`); a v1 file reads with both new columns null.
+  `LABELS_V1_SCHEMA` (the first 15 columns) and `schemas/labels.v1.json` stay for reference.
+- `uid` (DataComp's convention): the sample json's `uid` when it is 32 hex digits, else the first
+  128 bits of the SHA-256 of the key (`uid_of`); 32 lowercase hex digits. `image_sha256`: hex
+  SHA-256 of the image member's bytes as stored in the tar (what the embed pass hashes).
+- File-level metadata always holds `ncl.schema=labels.v2`, the pipeline version, the job hash,
   the model id and the mixture parameters (JSON); `REQUIRED_METADATA` lists those keys.
   `ncl.shard_path` (the source tar, for report thumbnails) and the method/round/view are
   recorded too, and `ncl.trainee_view`: the view whose embeddings and losses made the labels
@@ -16,7 +28,9 @@ Contract:
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,14 +39,18 @@ import pyarrow as pa
 __all__ = [
     "LABELS_SCHEMA",
     "LABELS_SCHEMA_NAME",
+    "LABELS_V1_SCHEMA",
+    "READABLE_SCHEMA_NAMES",
     "REQUIRED_METADATA",
     "SPS_PROXIES_SCHEMA",
     "SUBSET_VALUES",
     "labels_file_metadata",
     "labels_json_schema",
+    "uid_of",
 ]
 
-LABELS_SCHEMA_NAME = "labels.v1"
+LABELS_SCHEMA_NAME = "labels.v2"
+READABLE_SCHEMA_NAMES = ("labels.v1", "labels.v2")  # what `read_labels` accepts
 SUBSET_VALUES = ("clean", "quasi_clean", "noisy")  # `subset` dictionary values
 
 # (name, type, nullable, description): the table of docs/architecture.md §4.4, in column order.
@@ -72,7 +90,22 @@ _COLUMNS: tuple[tuple[str, pa.DataType, bool, str], ...] = (
         "BiCro: key of the nearest clean anchor by text (SPS: nearest reliable pair)",
     ),
     ("round", pa.int16(), False, "co-teaching round that produced the row"),
+    # labels.v2: appended, nullable (a v1 file reads with nulls here).
+    (
+        "uid",
+        pa.string(),
+        True,
+        "128-bit sample id, 32 hex digits: the json's uid, else the first 128 bits of "
+        "sha256(key) (labels.v2)",
+    ),
+    (
+        "image_sha256",
+        pa.string(),
+        True,
+        "hex sha256 of the image member's bytes as stored in the tar (labels.v2)",
+    ),
 )
+_V1_COLUMNS = 15  # labels.v1 is the first 15 columns of v2
 
 REQUIRED_METADATA = (
     "ncl.schema",
@@ -89,6 +122,28 @@ LABELS_SCHEMA = pa.schema(
     ],
     metadata={"ncl.schema": LABELS_SCHEMA_NAME},
 )
+LABELS_V1_SCHEMA = pa.schema(
+    list(LABELS_SCHEMA)[:_V1_COLUMNS], metadata={"ncl.schema": "labels.v1"}
+)
+
+_UID_RE = re.compile(r"^[0-9a-fA-F]{32}$")
+
+
+def uid_of(key: str, meta_uid: object = None) -> str:
+    """The sample's 128-bit uid as 32 lowercase hex digits (DataComp's `json["uid"]` format).
+
+    Args:
+        key: the img2dataset key.
+        meta_uid: the sample json's `uid` when present; used when it is 32 hex digits (what
+            DataComp's resharder can parse), otherwise ignored.
+
+    Returns:
+        `meta_uid` lower-cased, or the first 32 hex digits of sha256(key as UTF-8).
+    """
+    if isinstance(meta_uid, str) and _UID_RE.match(meta_uid):
+        return meta_uid.lower()
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
+
 
 SPS_PROXIES_SCHEMA = pa.schema(
     [
@@ -135,10 +190,17 @@ def labels_file_metadata(
     return metadata
 
 
-def labels_json_schema() -> dict[str, Any]:
-    """`schemas/labels.v1.json`: the column list and the required file metadata."""
+def labels_json_schema(version: str = LABELS_SCHEMA_NAME) -> dict[str, Any]:
+    """`schemas/<version>.json`: the column list and the required file metadata.
+
+    Args:
+        version: `labels.v2` (current) or `labels.v1` (its first 15 columns, kept for reference).
+    """
+    if version not in READABLE_SCHEMA_NAMES:
+        raise ValueError(f"unknown label table version {version!r}; use {READABLE_SCHEMA_NAMES}")
+    schema = LABELS_SCHEMA if version == LABELS_SCHEMA_NAME else LABELS_V1_SCHEMA
     return {
-        "title": LABELS_SCHEMA_NAME,
+        "title": version,
         "description": (
             "Soft correspondence labels, one Parquet file per input shard under <output>/labels/ "
             "(docs/architecture.md §4.4). Written with exactly these columns, in this order."
@@ -150,12 +212,12 @@ def labels_json_schema() -> dict[str, Any]:
                 "nullable": field.nullable,
                 "description": field.metadata[b"description"].decode(),
             }
-            for field in LABELS_SCHEMA
+            for field in schema
         ],
         "subset_values": list(SUBSET_VALUES),
         "file_metadata": {
             "required": list(REQUIRED_METADATA),
-            "ncl.schema": LABELS_SCHEMA_NAME,
+            "ncl.schema": version,
             "ncl.mixture": "JSON object: fitted mixture parameters of the label pass",
         },
     }

@@ -54,9 +54,10 @@ def embedding_schema(
 
     Embeddings are fp16 fixed-size lists (docs/architecture.md §4.5: ~13 GB for CC3M, two
     views); scalars are float32. Column names are `<column>_<view>`, e.g. `loss_i2t_a`.
-    `image_sha256` (hex sha256
-    of the image member's bytes in the tar) lets RCR rank unique images; `image_sha256=False`
-    gives the schema of tables written before it existed (readers must accept both).
+    `image_sha256` (hex sha256 of the image member's bytes in the tar) lets RCR rank unique
+    images; `uid` (32 hex digits: the json's `uid`, else sha256(key)'s first 128 bits, `pipeline.io.labels.uid_of`) is what
+    the published label table carries for DataComp-style joins. `image_sha256=False` gives the
+    schema of tables written before these id columns existed (readers must accept both).
     """
     fields = [
         pa.field("key", pa.string(), nullable=False),
@@ -66,6 +67,7 @@ def embedding_schema(
     ]
     if image_sha256:
         fields.append(pa.field("image_sha256", pa.string(), nullable=True))
+        fields.append(pa.field("uid", pa.string(), nullable=True))
     fields += [
         pa.field("loss_batch", pa.int32(), nullable=False),  # which fixed-size batch scored it
     ]

@@ -13,7 +13,9 @@ Contract:
   samples of the shard whose losses are discarded).
 - Each row carries `image_sha256`, the hex sha256 of its image member's bytes as stored in the
   tar (hashed while decoding, so no second read): byte-identical images share it, which is how
-  RCR de-duplicates images (docs/methods.md §6.3).
+  RCR de-duplicates images (docs/methods.md §6.3), and `uid` (the json's 128-bit `uid`, else the
+  first 128 bits of sha256(key); `pipeline.io.labels.uid_of`), which the published label table
+  carries for joins by a stable id.
 
 Why a shard per call: the output is per shard (atomic, resumable, one quarantine file per
 shard) and a shard's samples stay together, so no shuffle or group-by is needed. Decoding runs
@@ -36,6 +38,7 @@ import torch
 
 from pipeline.config import EmbedConfig
 from pipeline.core.losses import fixed_size_loss_batches, infonce_per_sample, triplet_per_sample
+from pipeline.io.labels import uid_of
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import (
     DecodedSample,
@@ -91,6 +94,7 @@ class _ShardBuffers:
     urls: list[str | None] = field(default_factory=list)
     captions: list[str] = field(default_factory=list)
     image_sha256: list[str] = field(default_factory=list)  # hex, of the raw image bytes
+    uids: list[str] = field(default_factory=list)  # 32 hex digits (uid_of)
     image_embeddings: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     text_embeddings: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     rejections: list[Rejection] = field(default_factory=list)
@@ -138,6 +142,7 @@ def _embed_decoded(futures, buffers: _ShardBuffers, models: dict[str, LoadedClip
         buffers.urls.append(sample.url)
         buffers.captions.append(sample.caption)
         buffers.image_sha256.append(sample.image_sha256)
+        buffers.uids.append(uid_of(sample.key, sample.meta.get("uid")))
         captions.append(sample.caption)
         images.append(image)
     if not images:
@@ -265,6 +270,7 @@ def _write_embeddings(
         "url": buffers.urls,
         "caption": buffers.captions,
         "image_sha256": buffers.image_sha256,
+        "uid": buffers.uids,
     }
     metadata = {
         "ncl.schema": "embeddings.v1",

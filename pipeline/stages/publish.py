@@ -3,14 +3,18 @@
 Contract:
 - `publish_labels(sources, out_dir, ...)` reads `rounds/<r>/labels_a/<shard>.parquet` and
   `rounds/<r>/labels_b/<shard>.parquet` (same keys, same order: both come from one embeddings
-  table) and writes `out_dir/<shard>.parquet` in `labels.v1`, one Ray task per shard, so no
+  table) and writes `out_dir/<shard>.parquet` in `labels.v2`, one Ray task per shard, so no
   per-sample data reaches the driver (except the ground-truth quality arrays of the demo).
   How the two views combine (documented in the README):
   - soft_label, clean_prob, loss, cosine, bicro, rcr, sps: the mean of the two views (the test
     time rule of co-teaching, which averages the two models' similarities; docs/methods.md §9.4);
   - subset: the more cautious of the two (clean only when both views say clean; noisy when
     either says noisy);
-  - image_anchor_key / text_anchor_key: view a's; round: the round both views come from.
+  - image_anchor_key / text_anchor_key: view a's; round: the round both views come from;
+  - uid, image_sha256 (labels.v2's stable ids): from the round's embeddings table
+    (`rounds/<r>/embeddings/<shard>.parquet`, joined by key), where the embed pass recorded them
+    from the tar; for embeddings written before those columns existed, uid is computed from the
+    key (`uid_of`) and image_sha256 stays null. A view table that already carries them wins.
   File metadata: view a's, with `ncl.view=a+b`, `ncl.combined=mean`, `ncl.sources` (the two
   folders) and `ncl.model_id` listing both models. `out_dir/_label_pass.json` (written last)
   holds both views' pass summaries and the quality of the combined label.
@@ -29,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.io.ground_truth import quality_arrays, quality_from_parts
-from pipeline.io.labels import LABELS_SCHEMA, SUBSET_VALUES
+from pipeline.io.labels import LABELS_SCHEMA, SUBSET_VALUES, uid_of
 from pipeline.io.tables import read_json, write_json_atomic, write_table_atomic
 
 __all__ = ["ORACLE_SCHEMA", "publish_labels", "write_oracle_labels", "LabelViewMismatchError"]
@@ -38,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 SUMMARY_NAME = "_label_pass.json"
 AVERAGED = ("soft_label", "clean_prob", "loss", "cosine", "bicro", "rcr", "sps")
+ID_COLUMNS = ("uid", "image_sha256")  # labels.v2: filled from the embeddings table
 ORACLE_SCHEMA = pa.schema(
     [
         pa.field("key", pa.string(), nullable=False),
@@ -75,12 +80,57 @@ def _subset_codes(column: pa.ChunkedArray) -> np.ndarray:
     return np.array([codes[s] for s in column.to_pylist()], dtype=np.int8)
 
 
+def default_embeddings_dir(label_folder: str) -> str:
+    """`rounds/<r>/embeddings` beside a round's `rounds/<r>/labels_<view>` folder."""
+    return f"{label_folder.rstrip('/').rsplit('/', 1)[0]}/embeddings"
+
+
+def _id_columns(keys: pa.ChunkedArray, embeddings: str) -> dict[str, pa.Array]:
+    """uid and image_sha256 for `keys` (N,), joined by key from an embeddings table.
+
+    Returns:
+        {"uid": (N,) string, "image_sha256": (N,) string, null where unknown}. uid falls back to
+        `uid_of(key)` for keys or tables without one.
+    """
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from pipeline.io.tables import file_exists
+
+    n = len(keys)
+    found: dict[str, pa.Array] = {}
+    if file_exists(embeddings):
+        import fsspec
+
+        fs, fs_path = fsspec.core.url_to_fs(embeddings)
+        names = pq.read_schema(fs_path, filesystem=fs).names
+        wanted = ["key", *(c for c in ID_COLUMNS if c in names)]
+        table = pq.read_table(fs_path, columns=wanted, filesystem=fs)
+        rows = pc.index_in(keys, value_set=table.column("key"))  # (N,) int32, null if absent
+        for name in wanted[1:]:
+            found[name] = pc.take(table.column(name), rows).combine_chunks()
+    uids = found.get("uid")
+    if uids is None or uids.null_count:
+        # Fill only the gaps: the json's uid, when the embed pass saw one, must win.
+        given = uids.to_pylist() if uids is not None else [None] * n
+        pairs = zip(given, keys.to_pylist(), strict=True)
+        found["uid"] = pa.array([u if u is not None else uid_of(k) for u, k in pairs], pa.string())
+    if "image_sha256" not in found:
+        found["image_sha256"] = pa.nulls(n, pa.string())
+    return found
+
+
 def combine_shard(
-    shard: str, sources: dict[str, str], out_dir: str, ground_truth: str | None
+    shard: str,
+    sources: dict[str, str],
+    out_dir: str,
+    ground_truth: str | None,
+    embeddings_dir: str | None = None,
 ) -> dict[str, Any]:
     """Combine one shard's view tables (see the module contract); returns its summary."""
     started = time.perf_counter()
     (view_a, folder_a), (view_b, folder_b) = sorted(sources.items())
+    embeddings_dir = embeddings_dir or default_embeddings_dir(folder_a)
     path_a, path_b = f"{folder_a}/{shard}.parquet", f"{folder_b}/{shard}.parquet"
     (table_a, meta_a), (table_b, meta_b) = _read(path_a), _read(path_b)
     keys = table_a.column("key")
@@ -89,7 +139,13 @@ def combine_shard(
             f"shard {shard}: {path_a} and {path_b} do not list the same keys in the same order "
             "(were they written from different embeddings? rerun the round's label pass)"
         )
-    columns = {name: table_a.column(name) for name in LABELS_SCHEMA.names}
+    present = set(table_a.schema.names)
+    columns = {name: table_a.column(name) for name in LABELS_SCHEMA.names if name in present}
+    ids = None
+    for name in ID_COLUMNS:
+        if name not in columns or columns[name].null_count == len(keys):
+            ids = ids or _id_columns(keys, f"{embeddings_dir}/{shard}.parquet")
+            columns[name] = ids[name]
     for name in AVERAGED:
         columns[name] = _mean_column(table_a.column(name), table_b.column(name))
     subset = np.maximum(
@@ -139,6 +195,7 @@ def publish_labels(
     round_index: int,
     job_hash: str,
     ground_truth: str | None = None,
+    embeddings_dir: str | None = None,
 ) -> dict[str, Any]:
     """Write the final label tables from two views' tables of one round (skip if done).
 
@@ -149,6 +206,8 @@ def publish_labels(
         round_index: the round the views come from (recorded in the summary).
         job_hash: recorded; a rerun with the same hash, round and shards is skipped.
         ground_truth: ground_truth.parquet -> quality of the combined labels.
+        embeddings_dir: the round's embeddings folder (uid, image_sha256); default
+            `rounds/<r>/embeddings` beside the view folders.
 
     Returns:
         The summary written to `out_dir/_label_pass.json`.
@@ -168,7 +227,9 @@ def publish_labels(
         return {**previous, "skipped": True}
     started = time.perf_counter()
     task = ray.remote(combine_shard).options(num_cpus=1, max_retries=2)
-    results = ray.get([task.remote(s, sources, out_dir, ground_truth) for s in shards])
+    results = ray.get(
+        [task.remote(s, sources, out_dir, ground_truth, embeddings_dir) for s in shards]
+    )
     views = {view: read_json(f"{folder}/{SUMMARY_NAME}") or {} for view, folder in sources.items()}
     summary = {
         "round": round_index,

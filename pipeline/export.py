@@ -1,0 +1,485 @@
+"""Export the cleaned corpus of a run for training: webdataset shards, a DataComp uid file, keys.
+
+Contract (`ncl-pipeline export RUN --out DIR`, issue 12):
+- Kept pairs: the rows of `RUN/labels/*.parquet` (labels.v1 or v2) with
+  `soft_label >= min_label` and `subset` in `subsets` (`pipeline.stages.export.kept_filter`).
+- `wds`: img2dataset-layout tars of the kept pairs, resharded to `samples_per_shard` pairs per
+  output shard (the last one holds the rest), named `00000.tar`, `00001.tar`, ... in input
+  shard order then tar order. Image and text members are the input's bytes; `{key}.json` is
+  extended (`pipeline.stages.export`). Beside them: `<name>_stats.json` per shard and
+  `sizes.json` ({"00000.tar": n, ...}, what open_clip's `get_dataset_size` reads). One Ray task
+  per input shard writes a part, one per output shard concatenates parts; see that module.
+- `uid`: `uids.npy`, DataComp's subset file: a sorted numpy array of dtype `u8,u8` (high, low
+  64 bits of each 128-bit uid). With `repeat_by_label=R` each kept uid appears round(R·label)
+  times, rounded stochastically (floor, plus one with probability of the fraction; seeded per
+  shard, so reruns give the same file); a uid with count 0 is left out.
+- `keys`: `keys.parquet` (`KEYS_SCHEMA`): key, shard, soft_label, subset, round, uid.
+- DIR: created when missing. A DIR that holds anything else than an unfinished export of the
+  same run and options is refused (`ExportConflictError`) unless `overwrite`, which removes only
+  files an export writes and still refuses foreign files. An unfinished export with the same
+  plan (`_export_plan.json`) is resumed: done parts and shards are skipped, so a killed export
+  rerun leaves every kept key exactly once. `_export.json` (the summary) is written last.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.io.labels import SUBSET_VALUES, uid_of
+from pipeline.io.tables import open_atomic, read_json, write_json_atomic
+
+__all__ = [
+    "FORMATS",
+    "KEYS_SCHEMA",
+    "UID_DTYPE",
+    "ExportConflictError",
+    "ExportSpec",
+    "export_run",
+    "format_summary",
+    "output_ranges",
+    "repeat_counts",
+    "uid_array",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("wds", "uid", "keys")
+UID_DTYPE = np.dtype("u8,u8")  # DataComp's subset-file dtype: (high, low) halves of a uid
+PLAN_NAME = "_export_plan.json"
+SUMMARY_NAME = "_export.json"
+PARTS = "_parts"
+KEYS_SCHEMA = pa.schema(
+    [
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("shard", pa.string(), nullable=False),
+        pa.field("soft_label", pa.float32(), nullable=False),
+        pa.field("subset", pa.string(), nullable=False),
+        pa.field("round", pa.int16(), nullable=False),
+        pa.field("uid", pa.string(), nullable=False),
+    ],
+    metadata={"ncl.schema": "export_keys.v1"},
+)
+# Files an export writes: what `overwrite` may remove.
+_OURS = re.compile(
+    r"^(\d+\.tar|\d+_stats\.json|sizes\.json|uids\.npy|keys\.parquet|_export(_plan)?\.json|"
+    r"_parts)(\.tmp-[0-9a-f]+)?$"
+)
+
+
+class ExportConflictError(ValueError):
+    """DIR is not empty and does not hold an unfinished export of the same run and options."""
+
+
+@dataclass(frozen=True)
+class ExportSpec:
+    """What to export and how (validated on construction)."""
+
+    run: str  # run directory (its labels/) or a folder of label tables
+    out: str  # export directory
+    format: str = "wds"  # wds | uid | keys
+    min_label: float = 0.0  # keep soft_label >= min_label
+    subsets: tuple[str, ...] = ("clean", "quasi_clean")  # keep these subsets
+    samples_per_shard: int = 10_000  # wds: pairs per output shard (DataComp's resharder default)
+    repeat_by_label: float | None = None  # uid: write each uid round(R * label) times
+    seed: int = 0  # uid: seed of the stochastic rounding
+    overwrite: bool = False  # clear a previous export in `out` first
+    shards: tuple[str, ...] | None = None  # input tars when they moved (else ncl.shard_path)
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"format={self.format!r}; use one of {', '.join(FORMATS)}")
+        unknown = [s for s in self.subsets if s not in SUBSET_VALUES]
+        if unknown or not self.subsets:
+            raise ValueError(
+                f"subsets={list(self.subsets)}: use a comma-separated list of "
+                f"{', '.join(SUBSET_VALUES)}"
+            )
+        if self.samples_per_shard <= 0:
+            raise ValueError(f"samples_per_shard={self.samples_per_shard} must be positive")
+        if self.repeat_by_label is not None:
+            if self.format != "uid":
+                raise ValueError("--repeat-by-label applies to --format uid only")
+            if not self.repeat_by_label > 0:
+                raise ValueError(f"--repeat-by-label {self.repeat_by_label} must be positive")
+
+    def options(self) -> dict[str, Any]:
+        """What the output depends on (recorded in the plan; a rerun must match it)."""
+        keep = asdict(self)
+        for name in ("out", "overwrite", "shards", "run"):
+            keep.pop(name)
+        keep["subsets"] = sorted(self.subsets)
+        return keep
+
+
+# ------------------------------------------------------------------------------ pure helpers
+
+
+def uid_array(uids: list[str] | np.ndarray) -> np.ndarray:
+    """128-bit hex uids -> DataComp's `u8,u8` records (high, low), unsorted.
+
+    Args:
+        uids: (N,) strings of 32 hex digits.
+
+    Returns:
+        (N,) array of dtype `UID_DTYPE`.
+    """
+    n = len(uids)
+    raw = np.frombuffer(bytes.fromhex("".join(uids)), dtype=">u8").reshape(n, 2)  # (N, 2)
+    out = np.empty(n, dtype=UID_DTYPE)
+    out["f0"], out["f1"] = raw[:, 0], raw[:, 1]
+    return out
+
+
+def repeat_counts(labels: np.ndarray, repeat: float, rng: np.random.Generator) -> np.ndarray:
+    """Stochastic rounding of repeat·label: floor, plus one with probability of the fraction.
+
+    Args:
+        labels: (N,) float soft labels in [0, 1].
+        repeat: R > 0.
+        rng: the draws (one uniform per row, in row order).
+
+    Returns:
+        (N,) int64 counts whose expectation is R·label.
+    """
+    scaled = repeat * np.asarray(labels, dtype=np.float64)  # (N,)
+    base = np.floor(scaled)
+    return (base + (rng.random(scaled.shape[0]) < scaled - base)).astype(np.int64)
+
+
+def output_ranges(
+    parts: list[tuple[str, list[int]]], samples_per_shard: int
+) -> list[tuple[int, list[tuple[str, int, int]]]]:
+    """Split the concatenated parts into output shards of `samples_per_shard` samples.
+
+    Args:
+        parts: [(part name, byte offsets of its samples then its size)] in output order.
+        samples_per_shard: samples per output shard (the last one holds the rest).
+
+    Returns:
+        Per output shard: (sample count, [(part name, first byte, end byte)]).
+    """
+    shards: list[tuple[int, list[tuple[str, int, int]]]] = []
+    count, ranges = 0, []
+    for name, offsets in parts:
+        i, n = 0, len(offsets) - 1
+        while i < n:
+            take = min(samples_per_shard - count, n - i)
+            ranges.append((name, offsets[i], offsets[i + take]))
+            count, i = count + take, i + take
+            if count == samples_per_shard:
+                shards.append((count, ranges))
+                count, ranges = 0, []
+    if count:
+        shards.append((count, ranges))
+    return shards
+
+
+def shard_names(n: int) -> list[str]:
+    """Output shard names: 5 digits (img2dataset's default), more when needed."""
+    width = max(5, len(str(max(n - 1, 0))))
+    return [f"{i:0{width}d}" for i in range(n)]
+
+
+# ------------------------------------------------------------------------------ driver
+
+
+def _label_files(run: str) -> dict[str, str]:
+    """{shard: label table path} of the published tables under `run` (read_labels' rules)."""
+    from pipeline.labels import _parquet_files, labels_folder
+
+    fs, folder = labels_folder(run)
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    files = _parquet_files(fs, folder)
+    prefix = "" if protocol in ("file", "local") else f"{protocol}://"
+    return {os.path.basename(p)[: -len(".parquet")]: f"{prefix}{p}" for p in files}
+
+
+def _file_info(path: str) -> dict[str, Any]:
+    """Rows, schema version, job hash and source tar of one label table (footer only)."""
+    import fsspec
+    import pyarrow.parquet as pq
+
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    with fs.open(fs_path, "rb") as handle:
+        metadata = pq.read_metadata(handle)
+    meta = {k.decode(): v.decode() for k, v in (metadata.metadata or {}).items()}
+    return {
+        "rows": metadata.num_rows,
+        "schema": meta.get("ncl.schema"),
+        "job_hash": meta.get("ncl.job_hash"),
+        "shard_path": meta.get("ncl.shard_path") or None,
+    }
+
+
+def _tar_paths(spec: ExportSpec, infos: dict[str, dict]) -> dict[str, str]:
+    from pipeline.io.shards import expand_shard_patterns, shard_name
+
+    if spec.shards:
+        given = {shard_name(p): p for p in expand_shard_patterns(list(spec.shards))}
+    else:
+        given = {s: i["shard_path"] for s, i in infos.items() if i["shard_path"]}
+    missing = sorted(s for s in infos if s not in given)
+    if missing:
+        raise ExportConflictError(
+            f"no input tar for shards {missing[:5]} (the label tables name none): pass --shards"
+        )
+    return {s: given[s] for s in infos}
+
+
+def _prepare_out(spec: ExportSpec, plan: dict[str, Any]) -> bool:
+    """Make `spec.out` ready; True when it already holds this plan's finished export."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(spec.out)
+    entries = [os.path.basename(p.rstrip("/")) for p in fs.ls(root)] if fs.isdir(root) else []
+    if entries:
+        previous = read_json(f"{spec.out}/{PLAN_NAME}")
+        if previous == plan and not spec.overwrite:
+            return read_json(f"{spec.out}/{SUMMARY_NAME}") is not None
+        if not spec.overwrite:
+            raise ExportConflictError(
+                f"{spec.out} is not empty and holds no unfinished export of this run with these "
+                "options; pass --overwrite to replace a previous export, or another --out"
+            )
+        foreign = sorted(e for e in entries if not _OURS.match(e))
+        if foreign:
+            raise ExportConflictError(
+                f"{spec.out} holds files an export did not write ({', '.join(foreign[:5])}); "
+                "refusing to overwrite it: choose an empty --out"
+            )
+        for entry in entries:
+            fs.rm(f"{root}/{entry}", recursive=True)
+    fs.makedirs(root, exist_ok=True)
+    write_json_atomic(plan, f"{spec.out}/{PLAN_NAME}")
+    return False
+
+
+def export_run(
+    spec: ExportSpec, *, address: str | None = None, num_cpus: int | None = None
+) -> dict[str, Any]:
+    """Export the kept pairs of `spec.run` to `spec.out` (see the module contract).
+
+    Args:
+        spec: what and how.
+        address: Ray cluster for `wds` (None: a local, loopback-only Ray, or the current one).
+        num_cpus: CPUs of that local Ray.
+
+    Returns:
+        The summary written to `<out>/_export.json`: format, kept, labelled, share, per-subset
+        counts, output files; `skipped` is True when the export was already complete.
+
+    Raises:
+        pipeline.labels.LabelTableError: no label tables under `spec.run`.
+        ExportConflictError: `spec.out` holds something else (see the module contract).
+    """
+    files = _label_files(spec.run)
+    infos = {shard: _file_info(path) for shard, path in files.items()}
+    unknown = {i["schema"] for i in infos.values()} - {"labels.v1", "labels.v2"}
+    if unknown:
+        from pipeline.labels import LabelTableError
+
+        raise LabelTableError(f"{spec.run}: not label tables (ncl.schema={sorted(unknown)})")
+    plan = {
+        "format": spec.format,
+        "options": spec.options(),
+        "labels": {s: {k: i[k] for k in ("rows", "schema", "job_hash")} for s, i in infos.items()},
+    }
+    if _prepare_out(spec, plan):
+        logger.info("export: %s already holds this export, nothing to do", spec.out)
+        return {**read_json(f"{spec.out}/{SUMMARY_NAME}"), "skipped": True}
+    if any(i["schema"] == "labels.v1" for i in infos.values()):
+        logger.warning("export: labels.v1 tables carry no uid; using sha256(key)'s first 128 bits")
+    labelled = sum(i["rows"] for i in infos.values())
+    if spec.format == "wds":
+        result = _export_wds(spec, files, _tar_paths(spec, infos), address, num_cpus)
+    elif spec.format == "uid":
+        result = _export_uid(spec, files)
+    else:
+        result = _export_keys(spec, files)
+    summary = {
+        "format": spec.format,
+        "run": spec.run,
+        "out": spec.out,
+        "options": spec.options(),
+        "labelled": labelled,
+        "share": result["kept"] / labelled if labelled else 0.0,
+        **result,
+    }
+    write_json_atomic(summary, f"{spec.out}/{SUMMARY_NAME}")
+    if spec.format == "wds":
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(spec.out)
+        if fs.exists(f"{root}/{PARTS}"):
+            fs.rm(f"{root}/{PARTS}", recursive=True)  # after the summary: a kill here is harmless
+    return {**summary, "skipped": False}
+
+
+def _export_wds(
+    spec: ExportSpec,
+    files: dict[str, str],
+    tars: dict[str, str],
+    address: str | None,
+    num_cpus: int | None,
+) -> dict[str, Any]:
+    import ray
+
+    from pipeline.runtime import init_ray
+    from pipeline.stages.export import assemble_output_shard, write_shard_part
+
+    init_ray(address, num_cpus)
+    part_task = ray.remote(write_shard_part).options(num_cpus=1, max_retries=2)
+    shards = sorted(files)
+    parts = ray.get(
+        [
+            part_task.remote(s, tars[s], files[s], spec.out, spec.min_label, tuple(spec.subsets))
+            for s in shards
+        ]
+    )
+    plan = output_ranges([(p["shard"], p["offsets"]) for p in parts], spec.samples_per_shard)
+    names = shard_names(len(plan))
+    join_task = ray.remote(assemble_output_shard).options(num_cpus=1, max_retries=2)
+    ray.get(
+        [
+            join_task.remote(name, ranges, n, spec.out)
+            for name, (n, ranges) in zip(names, plan, strict=True)
+        ]
+    )
+    sizes = {f"{name}.tar": n for name, (n, _) in zip(names, plan, strict=True)}
+    write_json_atomic(sizes, f"{spec.out}/sizes.json")
+    return {
+        "kept": sum(p["count"] for p in parts),
+        "subsets": {s: sum(p["subsets"][s] for p in parts) for s in SUBSET_VALUES},
+        "shards": len(names),
+        "files": [f"{name}.tar" for name in names],
+        "pattern": _brace_pattern(spec.out, names),
+    }
+
+
+def _brace_pattern(out: str, names: list[str]) -> str | None:
+    if not names:
+        return None
+    if len(names) == 1:
+        return f"{out}/{names[0]}.tar"
+    return f"{out}/{{{names[0]}..{names[-1]}}}.tar"
+
+
+def _kept_batches(spec: ExportSpec, files: dict[str, str]):
+    """(shard, kept table) per label table, in shard order, with uid filled for v1 tables."""
+    import pyarrow.dataset as ds
+
+    from pipeline.io.labels import LABELS_SCHEMA
+    from pipeline.stages.export import kept_filter
+
+    keep = kept_filter(spec.min_label, tuple(spec.subsets))
+    columns = ["key", "shard", "soft_label", "subset", "round", "uid"]
+    for shard in sorted(files):
+        dataset = ds.dataset([files[shard]], schema=LABELS_SCHEMA, format="parquet")
+        table = dataset.to_table(columns=columns, filter=keep)
+        uids = table.column("uid")
+        if uids.null_count:
+            filled = [
+                u if u is not None else uid_of(k)
+                for u, k in zip(uids.to_pylist(), table.column("key").to_pylist(), strict=True)
+            ]
+            table = table.set_column(5, "uid", pa.array(filled, pa.string()))
+        yield shard, table
+
+
+def _subset_counts(table: pa.Table) -> dict[str, int]:
+    values = table.column("subset").cast(pa.string()).to_pylist()
+    return {s: values.count(s) for s in SUBSET_VALUES}
+
+
+def _export_uid(spec: ExportSpec, files: dict[str, str]) -> dict[str, Any]:
+    kept, entries = 0, 0
+    subsets = dict.fromkeys(SUBSET_VALUES, 0)
+    chunks = []
+    for shard, table in _kept_batches(spec, files):
+        kept += table.num_rows
+        for name, n in _subset_counts(table).items():
+            subsets[name] += n
+        uids = uid_array(table.column("uid").to_pylist())
+        if spec.repeat_by_label is not None:
+            # Seeded per shard, so the file does not depend on the order shards are read in.
+            rng = np.random.default_rng([spec.seed, zlib.crc32(shard.encode())])
+            labels = table.column("soft_label").to_numpy()
+            uids = np.repeat(uids, repeat_counts(labels, spec.repeat_by_label, rng))
+        entries += len(uids)
+        chunks.append(uids)
+    array = np.concatenate(chunks) if chunks else np.empty(0, UID_DTYPE)
+    array = np.sort(array, order=["f0", "f1"])  # DataComp's resharder searches it
+    with open_atomic(f"{spec.out}/uids.npy") as handle:
+        np.save(handle, array)
+    return {"kept": kept, "entries": entries, "subsets": subsets, "files": ["uids.npy"]}
+
+
+def _export_keys(spec: ExportSpec, files: dict[str, str]) -> dict[str, Any]:
+    import pyarrow.parquet as pq
+
+    kept = 0
+    subsets = dict.fromkeys(SUBSET_VALUES, 0)
+    with (
+        open_atomic(f"{spec.out}/keys.parquet") as handle,
+        pq.ParquetWriter(handle, KEYS_SCHEMA, compression="zstd") as writer,
+    ):
+        for _, table in _kept_batches(spec, files):
+            kept += table.num_rows
+            for name, n in _subset_counts(table).items():
+                subsets[name] += n
+            table = table.set_column(3, "subset", table.column("subset").cast(pa.string()))
+            writer.write_table(table.cast(KEYS_SCHEMA))
+    return {"kept": kept, "subsets": subsets, "files": ["keys.parquet"]}
+
+
+def open_clip_command(summary: dict[str, Any], model: str = "ViT-B-32") -> str:
+    """The open_clip command line that trains on a `wds` export.
+
+    It runs open_clip's own trainer through `pipeline.train_open_clip`, which registers this
+    package's model configs (e.g. ncl-tiny) and fixes open_clip_train's known incompatibility
+    with current webdataset releases (see that module); the arguments are open_clip_train's.
+    """
+    workers = max(1, min(4, summary.get("shards") or 1))  # open_clip: shards >= workers
+    return (
+        f"python -m pipeline.train_open_clip --train-data '{summary['pattern']}' "
+        f"--dataset-type webdataset --model {model} --batch-size 256 --epochs 1 "
+        f"--workers {workers}"
+    )
+
+
+def format_summary(summary: dict[str, Any], model: str | None = None) -> str:
+    """Human-readable lines of an export summary (what the CLI prints)."""
+    subsets = ", ".join(f"{k} {v}" for k, v in summary["subsets"].items() if v)
+    lines = [
+        f"kept {summary['kept']} of {summary['labelled']} labelled pairs "
+        f"({100 * summary['share']:.1f}%): {subsets or 'none'}",
+    ]
+    if summary.get("skipped"):
+        lines.append(f"{summary['out']} already held this export: nothing to do")
+    if summary["format"] == "wds":
+        lines.append(f"wrote {summary['shards']} shards: {summary['pattern']}")
+        if summary["pattern"]:
+            lines.append("train with open_clip:")
+            lines.append("  " + open_clip_command(summary, model or "ViT-B-32"))
+    elif summary["format"] == "uid":
+        lines.append(
+            f"wrote {summary['out']}/uids.npy: {summary['entries']} uids (sorted u8,u8), "
+            "for DataComp's resharder --subset-file"
+        )
+    else:
+        lines.append(f"wrote {summary['out']}/keys.parquet")
+    return "\n".join(lines)
+
+
+def run_model_name(run: str) -> str | None:
+    """The run's model name from its manifest.json, when there is one."""
+    manifest = read_json(f"{run.rstrip('/')}/manifest.json") or {}
+    return ((manifest.get("job") or {}).get("model") or {}).get("name")
