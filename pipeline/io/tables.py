@@ -55,9 +55,10 @@ def embedding_schema(
     Embeddings are fp16 fixed-size lists (docs/architecture.md §4.5: ~13 GB for CC3M, two
     views); scalars are float32. Column names are `<column>_<view>`, e.g. `loss_i2t_a`.
     `image_sha256` (hex sha256 of the image member's bytes in the tar) lets RCR rank unique
-    images; `uid` (32 hex digits: the json's `uid`, else sha256(key)'s first 128 bits, `pipeline.io.labels.uid_of`) is what
-    the published label table carries for DataComp-style joins. `image_sha256=False` gives the
-    schema of tables written before these id columns existed (readers must accept both).
+    images; `uid` (32 hex digits: the json's `uid`, else sha256(key)'s first 128 bits,
+    `pipeline.io.labels.uid_of`) is what the published label table carries for DataComp-style
+    joins. `image_sha256=False` gives the schema of tables written before these id columns
+    existed (readers must accept both).
     """
     fields = [
         pa.field("key", pa.string(), nullable=False),
