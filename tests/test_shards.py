@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from pipeline.io.shard_patterns import _expand_braces
 from pipeline.io.shards import (
     QUARANTINE_REASONS,
     DecodedSample,
@@ -27,7 +28,6 @@ from pipeline.io.shards import (
     ShardPatternError,
     ShardReadError,
     ShardReadStats,
-    _expand_braces,
     decode_record,
     expand_shard_patterns,
     iter_shard_records,
@@ -87,7 +87,7 @@ def test_numeric_braces_keep_zero_padding_and_order(tmp_path):
 
 def test_brace_paths_that_do_not_exist_are_skipped_with_a_warning(tmp_path, caplog):
     paths = _touch_tars(tmp_path, ["00000.tar", "00002.tar"])
-    with caplog.at_level(logging.WARNING, logger="pipeline.io.shards"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.io.shard_patterns"):
         got = expand_shard_patterns(str(tmp_path / "{00000..00002}.tar"))
     assert got == paths
     assert "00001.tar" in caplog.text

@@ -1,0 +1,351 @@
+"""Shard specs -> shard locations: brace and glob expansion, existence checks, shard names.
+
+Contract (part of :mod:`pipeline.io.shards`, docs/architecture.md §4.1):
+
+* :func:`expand_shard_patterns` accepts brace patterns (``/d/{00000..00331}.tar``, ``{a,b}``,
+  nested), globs (``*``, ``?``, ``[..]``) on local paths and fsspec URLs, plain paths, fsspec
+  URLs (``s3://``, ``gs://``, ``memory://``, ``file://``, chained ``simplecache::s3://``) and
+  lists of any of these. Local paths come back absolute (Ray workers do not share the driver's
+  working directory); URLs keep their protocol. Order is the user's order, sorted within each
+  glob, first occurrence wins. Missing brace-expanded paths are skipped with a warning, missing
+  plainly listed paths are an error, a spec matching nothing is an error, two shards with the
+  same :func:`shard_name` are an error (outputs are keyed by it). ``pipe:`` commands are refused
+  unless the job opts in with ``allow_pipe=True``.
+* Existence is checked without reading any shard: one directory listing per directory on object
+  stores (cheaper than a request per shard), per-path checks for small sets.
+* :func:`shard_name` is the name every per-shard output table is keyed by.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsspec.core import url_to_fs
+
+__all__ = ["ShardPatternError", "expand_shard_patterns", "shard_name"]
+
+logger = logging.getLogger(__name__)
+
+# A brace range bigger than this is almost surely a typo ({0..99999999}) and would exhaust memory.
+_MAX_EXPANSION = 1_000_000
+# Listing a directory once beats one existence request per shard on object stores; below this
+# many candidates in one directory, per-path checks are cheaper than listing a big prefix.
+_LIST_THRESHOLD = 8
+
+_SHARD_SUFFIX_RE = re.compile(r"\.(?:tar(?:\.(?:gz|bz2|xz|zst|lz4))?|tgz|tbz2?|txz)$", re.I)
+_SHARD_IN_COMMAND_RE = re.compile(
+    r"([^/\s'\"|;&?#=]+?)\.(?:tar(?:\.(?:gz|bz2|xz|zst|lz4))?|tgz|tbz2?|txz)(?=$|[\s'\"|;&?#])",
+    re.I,
+)
+_RANGE_RE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?$")
+_GLOB_CHARS = frozenset("*?[")
+
+
+class ShardPatternError(ValueError):
+    """A shard spec is malformed, refused, or matches no (or not all of the listed) shards."""
+
+
+# --------------------------------------------------------------------------- brace expansion
+
+
+def _matching_brace(text: str, start: int) -> int | None:
+    """Index of the ``}`` closing the ``{`` at ``start``, or None when unbalanced."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return None
+
+
+def _split_top_level(body: str) -> list[str]:
+    """Split a brace body on commas that are not inside nested braces."""
+    parts, depth, last = [], 0, 0
+    for i, ch in enumerate(body):
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(body[last:i])
+            last = i + 1
+    parts.append(body[last:])
+    return parts
+
+
+def _expand_range(match: re.Match[str], pattern: str) -> list[str]:
+    first, last, step_text = match.group(1), match.group(2), match.group(3)
+    start, stop = int(first), int(last)
+    step = abs(int(step_text)) if step_text else 1
+    if step == 0:
+        raise ShardPatternError(f"brace range step must not be 0 in {pattern!r}")
+    count = abs(stop - start) // step + 1
+    if count > _MAX_EXPANSION:
+        raise ShardPatternError(
+            f"brace range in {pattern!r} expands to {count} names (limit {_MAX_EXPANSION}); "
+            "check the range bounds"
+        )
+
+    # Bash semantics: a leading zero on either endpoint pads every number to the wider endpoint.
+    def padded(text: str) -> bool:
+        digits = text.lstrip("-")
+        return len(digits) > 1 and digits.startswith("0")
+
+    width = max(len(first), len(last)) if padded(first) or padded(last) else 0
+    direction = step if stop >= start else -step
+    return [f"{n:0{width}d}" for n in range(start, stop + direction, direction)]
+
+
+def _expand_braces(pattern: str) -> list[str]:
+    """Expand the first valid brace expression in ``pattern``, recursively.
+
+    A brace pair holding neither a top-level comma nor a numeric range (``{x}``, ``{}``) is kept
+    literally, as in bash.
+    """
+    i = 0
+    while i < len(pattern):
+        if pattern[i] != "{":
+            i += 1
+            continue
+        end = _matching_brace(pattern, i)
+        if end is None:
+            break
+        body = pattern[i + 1 : end]
+        range_match = _RANGE_RE.match(body)
+        if range_match:
+            alternatives = _expand_range(range_match, pattern)
+        else:
+            parts = _split_top_level(body)
+            if len(parts) < 2:
+                i += 1  # literal '{'; a valid expression may still be nested inside it
+                continue
+            alternatives = [alt for part in parts for alt in _expand_braces(part)]
+        prefix, suffixes = pattern[:i], _expand_braces(pattern[end + 1 :])
+        if len(alternatives) * len(suffixes) > _MAX_EXPANSION:
+            raise ShardPatternError(
+                f"{pattern!r} expands to more than {_MAX_EXPANSION} names; check the braces"
+            )
+        return [prefix + alt + suffix for alt in alternatives for suffix in suffixes]
+    return [pattern]
+
+
+# --------------------------------------------------------------------------- existence checks
+
+
+def _has_glob(path: str) -> bool:
+    return any(ch in _GLOB_CHARS for ch in path)
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path or "::" in path
+
+
+def _listing_fs(path: str) -> tuple[Any, str, str]:
+    """Filesystem to list ``path`` with, its stripped path, and the chain prefix to re-add.
+
+    For chained URLs (``simplecache::s3://b/x.tar``) listing goes to the innermost filesystem
+    while the returned names keep the chain, so reads still go through the cache.
+    """
+    chain = ""
+    if "::" in path:
+        chain_head, path = path.rsplit("::", 1)
+        chain = chain_head + "::"
+    fs, stripped = url_to_fs(path)
+    return fs, stripped, chain
+
+
+def _normalise_local(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _existing(fs: Any, stripped_paths: list[str]) -> set[str]:
+    """Subset of ``stripped_paths`` that are files on ``fs``, listing each directory once."""
+    by_parent: dict[str, list[str]] = {}
+    for path in stripped_paths:
+        by_parent.setdefault(fs._parent(path), []).append(path)
+    found: set[str] = set()
+    for parent, paths in by_parent.items():
+        unresolved = paths
+        if len(paths) >= _LIST_THRESHOLD:
+            try:
+                entries = fs.ls(parent, detail=True)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # the directory is missing, so are all of its candidates
+            files = {fs._strip_protocol(e["name"]) for e in entries if e.get("type") == "file"}
+            found.update(p for p in paths if p in files)
+            unresolved = [p for p in paths if p not in files]
+        for path in unresolved:
+            # Per-path fallback keeps listing-format quirks of some backends from losing shards.
+            try:
+                if fs.isfile(path):
+                    found.add(path)
+            except (FileNotFoundError, PermissionError, NotADirectoryError):
+                pass
+    return found
+
+
+# --------------------------------------------------------------------------- expansion
+
+
+@dataclass
+class _Matches:
+    """What one (non-``pipe:``) pattern resolves to."""
+
+    # Per expanded candidate, in expansion order: the (location, dedup key) pairs it contributes.
+    found: list[list[tuple[str, tuple[str, str]]]]
+    missing_braced: list[str] = field(default_factory=list)  # skipped with a warning
+    missing_listed: list[str] = field(default_factory=list)  # an error: the corpus is incomplete
+
+
+def _pattern_list(spec: str | Sequence[str]) -> list[str]:
+    if isinstance(spec, (str, os.PathLike)):
+        patterns = [os.fspath(spec)]
+    else:
+        patterns = [os.fspath(p) for p in spec]
+    if not patterns or any(not isinstance(p, str) or not p.strip() for p in patterns):
+        raise ShardPatternError(f"shard spec must be non-empty path strings, got {spec!r}")
+    return patterns
+
+
+def _match_pattern(pattern: str) -> _Matches:
+    """Brace-expand ``pattern``, then resolve globs and check that literal paths exist."""
+    expanded = _expand_braces(pattern)
+    braced = expanded != [pattern]
+    candidates = [c if _is_url(c) else _normalise_local(c) for c in expanded]
+    matches = _Matches(found=[[] for _ in candidates])
+    literal_by_fs: dict[int, tuple[Any, list[tuple[int, str]]]] = {}
+    for pos, candidate in enumerate(candidates):
+        fs, stripped, chain = _listing_fs(candidate)
+        if _has_glob(stripped):
+            infos = fs.glob(stripped, detail=True)
+            for path in sorted(p for p, info in infos.items() if info.get("type") == "file"):
+                location = chain + fs.unstrip_protocol(path) if _is_url(candidate) else path
+                matches.found[pos].append((location, (str(fs.protocol), path)))
+        else:
+            literal_by_fs.setdefault(id(fs), (fs, []))[1].append((pos, stripped))
+
+    # Literal paths are checked together per filesystem so each directory is listed once.
+    for fs, items in literal_by_fs.values():
+        present = _existing(fs, [stripped for _, stripped in items])
+        for pos, stripped in items:
+            if stripped in present:
+                matches.found[pos].append((candidates[pos], (str(fs.protocol), stripped)))
+            elif braced:
+                matches.missing_braced.append(candidates[pos])
+            else:
+                matches.missing_listed.append(candidates[pos])
+    return matches
+
+
+def _check_complete(patterns: list[str], results: list[str], missing_listed: list[str]) -> None:
+    """Raise when the spec matched nothing, a listed path is missing, or two names collide."""
+    if not results:
+        shown = ", ".join(repr(p) for p in patterns[:5])
+        more = f" (and {len(patterns) - 5} more)" if len(patterns) > 5 else ""
+        raise ShardPatternError(f"no shards match {shown}{more}; check the path and the pattern")
+    if missing_listed:
+        more = f" (and {len(missing_listed) - 5} more)" if len(missing_listed) > 5 else ""
+        raise ShardPatternError(
+            f"{len(missing_listed)} listed shard(s) do not exist or are not files: "
+            f"{', '.join(missing_listed[:5])}{more}; is the download complete?"
+        )
+    by_name: dict[str, str] = {}
+    for location in results:
+        name = shard_name(location)
+        if name in by_name:
+            raise ShardPatternError(
+                f"shards {by_name[name]!r} and {location!r} share the name {name!r}; output "
+                "tables are named by shard, so list shards with distinct basenames"
+            )
+        by_name[name] = location
+
+
+def expand_shard_patterns(spec: str | Sequence[str], *, allow_pipe: bool = False) -> list[str]:
+    """Expand a shard spec into the ordered list of shard paths/URLs that exist.
+
+    Args:
+        spec: One pattern or a sequence of patterns. Each may contain brace expressions
+            (``{00000..00331}`` zero-padded ranges, ``{a..b..step}``, ``{x,y}`` alternatives,
+            nested), glob characters (``*``, ``?``, ``[..]``), or be a plain local path or fsspec
+            URL (``s3://``, ``gs://``, ``memory://``, ``file://``, chained ``a::b://``).
+        allow_pipe: Accept ``pipe:`` shell commands (webdataset syntax). They are brace-expanded
+            and returned as given, never checked; off by default because they run shell code.
+
+    Returns:
+        Shard locations: local paths absolute, URLs as written (glob matches rebuilt with their
+        protocol). Order follows the spec, sorted within each glob; duplicates are dropped.
+
+    Raises:
+        ShardPatternError: The spec is empty, uses ``pipe:`` without ``allow_pipe``, matches
+            nothing, lists plain paths of which some are missing (a partially downloaded corpus
+            must not silently shrink), or yields two shards with the same :func:`shard_name`.
+    """
+    patterns = _pattern_list(spec)
+    results: list[str] = []
+    seen: set[tuple[str, str]] = set()
+    missing_listed: list[str] = []
+
+    def add(location: str, dedup_key: tuple[str, str]) -> None:
+        if dedup_key not in seen:
+            seen.add(dedup_key)
+            results.append(location)
+
+    for pattern in patterns:
+        if pattern.startswith("pipe:"):
+            if not allow_pipe:
+                raise ShardPatternError(
+                    f"{pattern!r} is a pipe: command, which runs shell code; refused unless the "
+                    "job opts in (allow_pipe=True)"
+                )
+            for command in _expand_braces(pattern):
+                add(command, ("pipe", command))
+            continue
+
+        matches = _match_pattern(pattern)
+        missing_listed += matches.missing_listed
+        for entries in matches.found:
+            for location, dedup_key in entries:
+                add(location, dedup_key)
+        if not any(matches.found):
+            if len(patterns) > 1:
+                logger.warning("shard pattern %r matches nothing", pattern)
+        elif matches.missing_braced:
+            logger.warning(
+                "%d of %d paths from %r do not exist and are skipped, e.g. %s",
+                len(matches.missing_braced),
+                len(matches.found),
+                pattern,
+                ", ".join(matches.missing_braced[:5]),
+            )
+
+    _check_complete(patterns, results, missing_listed)
+    return results
+
+
+def shard_name(path: str) -> str:
+    """Shard name used for output tables: the basename without its tar suffix.
+
+    Args:
+        path: Local path, fsspec URL (query strings are dropped) or ``pipe:`` command (the last
+            ``*.tar``-like word of the command is used).
+
+    Returns:
+        E.g. ``"/x/00042.tar"`` -> ``"00042"``, ``"s3://b/00042.tar.gz"`` -> ``"00042"``.
+    """
+    if path.startswith("pipe:"):
+        matches = _SHARD_IN_COMMAND_RE.findall(path)
+        if matches:
+            return matches[-1]
+        return path[len("pipe:") :].strip().split()[-1].rstrip("/").rsplit("/", 1)[-1]
+    if "://" in path:
+        path = path.split("?", 1)[0].split("#", 1)[0]
+    base = path.rstrip("/").rsplit("/", 1)[-1]
+    return _SHARD_SUFFIX_RE.sub("", base)
