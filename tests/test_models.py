@@ -25,7 +25,7 @@ from pipeline.models import (
     resolve_device,
     save_checkpoint_state_dict,
 )
-from pipeline.models import clip as clip_mod
+from pipeline.models import spec as spec_mod
 
 TINY = "ncl-tiny"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -76,13 +76,13 @@ class _Payload:
 
 def test_tiny_config_registered_once():
     assert TINY in list_builtin_configs()
-    clip_mod._register_model_configs()  # a second registration must be a no-op
+    spec_mod._register_model_configs()  # a second registration must be a no-op
     from open_clip import factory
 
     ours = [
         p
         for p in factory._MODEL_CONFIG_PATHS
-        if Path(p).resolve() == clip_mod.MODEL_CONFIG_DIR.resolve()
+        if Path(p).resolve() == spec_mod.MODEL_CONFIG_DIR.resolve()
     ]
     assert len(ours) == 1
 

@@ -1,0 +1,385 @@
+"""Model weights on disk: the driver-side preflight, and reading and writing checkpoint files.
+
+Contract (part of :mod:`pipeline.models.clip`):
+
+* :func:`check_weights_available` is a cheap driver-side preflight (no model build, no network,
+  well under a second) that turns every foreseeable loading failure into a
+  :class:`ModelLoadError` whose message names the model, the tag or path, and the fix.
+* Checkpoints are read with ``torch.load(weights_only=True)`` (or safetensors) only
+  (docs/architecture.md §4.1): a file that needs arbitrary unpickling is refused, never
+  executed. :func:`read_state_dict` unwraps the common container layouts and wrapper prefixes;
+  :func:`load_state_dict_strict` fits them or explains why they do not fit.
+* :func:`save_checkpoint_state_dict` writes atomically, in a form :func:`read_state_dict` reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import hashlib
+import os
+import pickle
+import re
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from open_clip import constants as _oc_constants
+from open_clip import pretrained as _oc_pretrained
+
+from pipeline.models.spec import (
+    CHECKPOINT_SUFFIXES,
+    PRECISIONS,
+    ModelLoadError,
+    ModelSpec,
+    arch_name,
+    list_builtin_configs,
+    split_schema,
+)
+
+__all__ = [
+    "check_weights_available",
+    "file_sha256",
+    "load_state_dict_strict",
+    "read_state_dict",
+    "save_checkpoint_state_dict",
+]
+
+# Prefixes that wrappers add to parameter names: DistributedDataParallel and torch.compile.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+_TRUTHY = {"1", "on", "yes", "true"}  # the values huggingface_hub treats as "set"
+
+
+# --------------------------------------------------------------------------------------------
+# Preflight
+
+
+def _hf_offline() -> bool:
+    """True when Hugging Face downloads are disabled.
+
+    Reads the environment at call time *and* huggingface_hub's import-time constant: the
+    library freezes ``HF_HUB_OFFLINE`` when first imported, while tests and launchers often
+    set the variable later.
+    """
+    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    if env.strip().lower() in _TRUTHY:
+        return True
+    try:
+        from huggingface_hub import constants as hf_constants
+    except ImportError:
+        return False
+    return bool(getattr(hf_constants, "HF_HUB_OFFLINE", False))
+
+
+def _looks_like_path(value: str) -> bool:
+    return "/" in value or os.sep in value or value.lower().endswith(CHECKPOINT_SUFFIXES)
+
+
+def _close_names(name: str, choices: list[str], n: int = 5) -> list[str]:
+    """Close matches, case-insensitive (users type 'vit-b-32')."""
+    by_lower = {c.lower(): c for c in choices}
+    hits = difflib.get_close_matches(name.lower(), list(by_lower), n=n, cutoff=0.6)
+    return [by_lower[h] for h in hits]
+
+
+_FIX_OFFLINE = (
+    "Fix one of: (1) on a machine with network access run "
+    "`python -c \"import open_clip; open_clip.create_model('{name}', pretrained='{tag}')\"` and "
+    "copy its Hugging Face cache ({cache}) to the same place here (or point HF_HOME at the copy); "
+    "(2) set model.pretrained to a local checkpoint file path; "
+    "(3) set model.pretrained: null for a random init."
+)
+
+
+def _hf_cache_dir() -> str:
+    try:
+        from huggingface_hub import constants as hf_constants
+
+        return str(hf_constants.HF_HUB_CACHE)
+    except ImportError:  # pragma: no cover - open_clip depends on huggingface_hub
+        return "~/.cache/huggingface/hub"
+
+
+def _cached_tag_file(cfg: Mapping[str, Any]) -> tuple[str | None, str]:
+    """Finds a pretrained tag's weights in the local caches without touching the network.
+
+    Mirrors ``open_clip.pretrained.download_pretrained``: an explicit ``file`` wins; the
+    Hugging Face Hub source is preferred over the URL when huggingface_hub is installed; a
+    hub entry without a filename means ``open_clip_pytorch_model.bin`` with its safetensors
+    twin tried first.
+
+    Returns:
+        (path or None when not cached, a human-readable description of the source).
+    """
+    if cfg.get("file"):
+        path = str(cfg["file"])
+        return (path if os.path.isfile(path) else None), f"file {path}"
+    hub = cfg.get("hf_hub") or ""
+    url = cfg.get("url") or ""
+    if hub and _oc_pretrained.has_hf_hub():
+        from huggingface_hub import try_to_load_from_cache
+
+        repo_id, filename = os.path.split(hub)
+        filename = filename or _oc_constants.HF_WEIGHTS_NAME
+        candidates = [filename]
+        if filename == _oc_constants.HF_WEIGHTS_NAME:
+            candidates.insert(0, _oc_constants.HF_SAFE_WEIGHTS_NAME)
+        elif filename.endswith((".bin", ".pth")):
+            candidates.insert(0, filename[:-4] + ".safetensors")
+        for candidate in candidates:
+            hit = try_to_load_from_cache(repo_id=repo_id, filename=candidate)
+            if isinstance(hit, str) and os.path.isfile(hit):
+                return hit, f"hf-hub {repo_id} ({candidate})"
+        return None, f"hf-hub {repo_id} ({' or '.join(candidates)})"
+    if url:
+        # open_clip's URL downloads land in ~/.cache/clip/<basename> when no cache_dir is given.
+        path = os.path.join(os.path.expanduser("~/.cache/clip"), os.path.basename(url))
+        return (path if os.path.isfile(path) else None), f"url {url}"
+    return None, "no download source"
+
+
+def _check_local_dir(spec: ModelSpec, directory: str) -> None:
+    config = Path(directory) / "open_clip_config.json"
+    if not config.is_file():
+        raise ModelLoadError(
+            f"Model {spec.name!r}: {config} not found. A 'local-dir:' model needs a folder "
+            "holding open_clip_config.json and the weights; fix model.name."
+        )
+
+
+def _check_hf_hub_name(spec: ModelSpec, repo_id: str) -> None:
+    if not _hf_offline():
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    hit = try_to_load_from_cache(repo_id=repo_id, filename="open_clip_config.json")
+    if not isinstance(hit, str):
+        raise ModelLoadError(
+            f"Model {spec.name!r}: {repo_id}/open_clip_config.json is not in the local Hugging "
+            f"Face cache ({_hf_cache_dir()}) and cannot be downloaded here (HF_HUB_OFFLINE is "
+            "set). Download it on a machine with network access and copy the cache, or use a "
+            "built-in model.name with a local checkpoint path in model.pretrained."
+        )
+
+
+def _check_own_weights(spec: ModelSpec, schema: str, ident: str) -> None:
+    """Checks a ``hf-hub:`` / ``local-dir:`` model, which brings its own weights."""
+    if spec.pretrained is not None:
+        raise ModelLoadError(
+            f"Model {spec.name!r} brings its own weights, so model.pretrained must be null "
+            f"(got {spec.pretrained!r}); drop the '{schema}:' prefix to use a tag or path."
+        )
+    if schema == "local-dir":
+        _check_local_dir(spec, ident)
+    else:
+        _check_hf_hub_name(spec, ident)
+
+
+def _check_pretrained(spec: ModelSpec, arch: str, tag_or_path: str) -> None:
+    """Checks that ``tag_or_path`` is a tag of ``arch`` (cached, when offline) or a file."""
+    tags = _oc_pretrained.list_pretrained_tags_by_model(arch)
+    if _oc_pretrained.is_pretrained_cfg(arch, tag_or_path):
+        cfg = _oc_pretrained.get_pretrained_cfg(arch, tag_or_path)
+        cached, source = _cached_tag_file(cfg)
+        if cached is None and _hf_offline():
+            raise ModelLoadError(
+                f"Pretrained weights for model {spec.name!r} tag {tag_or_path!r} ({source}) are "
+                "not in the local cache and cannot be downloaded here (HF_HUB_OFFLINE is set). "
+                + _FIX_OFFLINE.format(name=arch, tag=tag_or_path, cache=_hf_cache_dir())
+            )
+        return
+
+    path = os.path.expanduser(tag_or_path)
+    if os.path.isfile(path):
+        return
+    if _looks_like_path(tag_or_path):
+        where = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
+        raise ModelLoadError(
+            f"Checkpoint {tag_or_path!r} for model {spec.name!r} {where}. Set "
+            "model.pretrained to an existing local checkpoint file (.pt/.pth/.bin/.safetensors), "
+            "a pretrained tag, or null for a random init."
+        )
+    close = _close_names(tag_or_path, tags, n=3)
+    hint = f" Did you mean {close}?" if close else ""
+    if tags:
+        known = f"Known tags for {arch}: {tags}. Set model.pretrained to one of them,"
+    else:
+        known = f"{arch} has no pretrained tags. Set model.pretrained to"
+    raise ModelLoadError(
+        f"Unknown pretrained tag {tag_or_path!r} for model {spec.name!r}.{hint} {known} "
+        "a local checkpoint file path, or null for a random init."
+    )
+
+
+def check_weights_available(spec: ModelSpec) -> None:
+    """Checks, without building the model, that ``spec`` can be loaded here.
+
+    Runs on the driver before any Ray work starts, so config mistakes fail in milliseconds
+    instead of inside a GPU actor. Touches only the filesystem: no model build, no network,
+    no DNS (typically a few milliseconds even for a missing tag with ``HF_HUB_OFFLINE=1``).
+
+    Checks, in order: known precision; known architecture (with close-name suggestions);
+    ``pretrained`` is ``None``, a known tag for this architecture, or an existing file; and,
+    when Hugging Face access is offline, that a tag's weights are already in the local cache.
+    Online, a tag that is not cached passes: :func:`load_clip` will download it.
+
+    Args:
+        spec: The model to check.
+
+    Raises:
+        ModelLoadError: With a message naming the model, the tag or path, and the fix.
+    """
+    if spec.precision not in PRECISIONS:
+        raise ModelLoadError(
+            f"Unknown precision {spec.precision!r} for model {spec.name!r}: set "
+            f"model.precision to one of {list(PRECISIONS)}."
+        )
+    schema, ident = split_schema(spec.name)
+    if schema is not None:
+        _check_own_weights(spec, schema, ident)
+        return
+
+    arch = arch_name(spec.name)
+    models = list_builtin_configs()
+    if arch not in models:
+        close = _close_names(arch, models)
+        hint = f"Did you mean {close}? " if close else ""
+        raise ModelLoadError(
+            f"Unknown model {spec.name!r}. {hint}Set model.name to an open_clip architecture "
+            f"(see open_clip.list_models(); {len(models)} known here, e.g. 'ViT-B-32', "
+            "'ncl-tiny')."
+        )
+    if spec.pretrained is not None:
+        _check_pretrained(spec, arch, spec.pretrained)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint files
+
+
+def file_sha256(path: str, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(chunk), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _unpickler_reason(exc: Exception) -> str:
+    """The useful part of torch's long weights_only refusal, e.g. "Unsupported global: ..."."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # torch bolds part of it with ANSI codes
+    _, marker, rest = text.partition("WeightsUnpickler error:")
+    lines = [line.strip() for line in (rest if marker else text).splitlines() if line.strip()]
+    reason = lines[0] if lines else type(exc).__name__
+    return reason.split(" was not an allowed global", 1)[0]
+
+
+def read_state_dict(path: str, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """Reads a checkpoint file safely and unwraps the common container layouts."""
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            obj: Any = load_file(path, device="cpu")
+        else:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        reason = _unpickler_reason(exc)
+        if "Unsupported global" in reason:
+            raise ModelLoadError(
+                f"Checkpoint {path!r} for model {spec.name!r} was refused: it holds pickled "
+                f"Python objects, not just tensors ({reason}), and checkpoints are only read "
+                "with torch.load(weights_only=True). Re-save it as a plain state dict, e.g. "
+                "torch.save(model.state_dict(), path) or "
+                "pipeline.models.save_checkpoint_state_dict."
+            ) from exc
+        raise ModelLoadError(
+            f"Checkpoint {path!r} for model {spec.name!r} could not be read ({reason}); it is "
+            "corrupt or not a torch/safetensors checkpoint. Point model.pretrained at a file "
+            "written by torch.save(model.state_dict(), path)."
+        ) from exc
+    except Exception as exc:  # truncated zip, not a torch file, bad safetensors header...
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise ModelLoadError(
+            f"Checkpoint {path!r} for model {spec.name!r} could not be read ({detail}); it is "
+            "truncated or not a torch/safetensors checkpoint. Point model.pretrained at a file "
+            "written by torch.save(model.state_dict(), path)."
+        ) from exc
+
+    if isinstance(obj, Mapping):
+        for wrapper in ("state_dict", "model"):  # trainer / lightning-style containers
+            if wrapper in obj and isinstance(obj[wrapper], Mapping):
+                obj = obj[wrapper]
+                break
+    if not isinstance(obj, Mapping) or not obj:
+        raise ModelLoadError(
+            f"Checkpoint {path!r} for model {spec.name!r} holds a {type(obj).__name__}, not a "
+            "state dict; save model.state_dict() (optionally under a 'state_dict' or 'model' key)."
+        )
+    state = {}
+    for key, value in obj.items():
+        if not isinstance(value, torch.Tensor):
+            raise ModelLoadError(
+                f"Checkpoint {path!r} for model {spec.name!r}: entry {key!r} is a "
+                f"{type(value).__name__}, not a tensor; save model.state_dict() only."
+            )
+        for prefix in _WRAPPER_PREFIXES:
+            if key.startswith(prefix):
+                key = key[len(prefix) :]
+        state[key] = value
+    return state
+
+
+def load_state_dict_strict(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], path: str, spec: ModelSpec
+) -> None:
+    expected = set(model.state_dict())
+    missing = sorted(expected - set(state))
+    unexpected = sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"Checkpoint {path!r} does not fit model {spec.name!r}: {len(missing)} missing keys "
+            f"(e.g. {missing[:3]}) and {len(unexpected)} unexpected keys (e.g. {unexpected[:3]}). "
+            "It was probably saved from a different architecture; set model.name to the one it "
+            "was trained with."
+        )
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:  # same keys, different shapes
+        mismatches = [
+            k for k, v in model.state_dict().items() if tuple(state[k].shape) != tuple(v.shape)
+        ]
+        raise ModelLoadError(
+            f"Checkpoint {path!r} does not fit model {spec.name!r}: {len(mismatches)} tensors "
+            f"have other shapes (e.g. {mismatches[:3]}). It was saved from a differently sized "
+            "config; set model.name to the one it was trained with."
+        ) from exc
+
+
+def save_checkpoint_state_dict(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
+    """Writes ``model.state_dict()`` atomically (temp file + fsync + rename).
+
+    Tensors are moved to CPU first so the file loads on any machine. A reader sees either the
+    old file or the complete new one, never a partial write (docs/architecture.md §4.1). The
+    result loads with
+    ``torch.load(weights_only=True)`` and therefore with :func:`load_clip`.
+
+    Args:
+        model: Any module (a DDP/compiled wrapper is fine: its prefixes are stripped on load).
+        path: Destination file; parent folders are created.
+    """
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, dest)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
