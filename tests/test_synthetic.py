@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from pipeline.data import synthetic
+from pipeline.data.scenes import draw_scene
 from pipeline.data.synthetic import (
     ATTRIBUTES,
     BACKGROUNDS,
@@ -424,7 +424,7 @@ def test_drawn_objects_sit_where_the_caption_says(position):
     # Object pixels = far from the background colour; their centroid must lie on the named side.
     size = 64
     scene = Scene("square", "red", "small", position, 1, "white")
-    img = np.asarray(synthetic._draw_scene(scene, size, np.random.default_rng(0)), dtype=np.float32)
+    img = np.asarray(draw_scene(scene, size, np.random.default_rng(0)), dtype=np.float32)
     mask = np.linalg.norm(img - np.asarray(BACKGROUNDS["white"]), axis=-1) > 100
     ys, xs = np.nonzero(mask)
     cx, cy = xs.mean() / size, ys.mean() / size
@@ -440,7 +440,7 @@ def test_drawn_objects_sit_where_the_caption_says(position):
 def test_sizes_and_counts_are_visible():
     def object_pixels(size: str, count: int) -> int:
         scene = Scene("circle", "blue", size, "centre", count, "white")
-        img = np.asarray(synthetic._draw_scene(scene, 64, np.random.default_rng(1)), np.float32)
+        img = np.asarray(draw_scene(scene, 64, np.random.default_rng(1)), np.float32)
         return int((np.linalg.norm(img - np.asarray(BACKGROUNDS["white"]), axis=-1) > 100).sum())
 
     assert object_pixels("large", 1) > 2 * object_pixels("small", 1)

@@ -29,11 +29,13 @@ Contract (docs/architecture.md §4.1 and §6; file names and ground-truth column
 - Everything except the wall-clock fields of ``*_stats.json`` is a pure function of the
   arguments: the same seed gives byte-identical tars and Parquet files.
 - Every caption parses back to its scene with ``parse_caption`` (used by tests and analysis).
+
+The scenes and captions live in :mod:`pipeline.data.scenes`, the sampling and noise in
+:mod:`pipeline.data.noise`; this module writes the files and re-exports their public names.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import io
 import json
@@ -49,7 +51,31 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from PIL import Image, ImageDraw
+
+from pipeline.data.noise import (
+    CORRUPT_MODES,
+    KIND_DEGREES,
+    MIN_MISMATCH_DIFF,
+    Sample,
+    apply_corruption,
+    apply_noise,
+    draw_samples,
+)
+from pipeline.data.scenes import (
+    ATTRIBUTES,
+    BACKGROUNDS,
+    COLOURS,
+    COUNTS,
+    POSITIONS,
+    SHAPES,
+    SIZES,
+    TEMPLATES,
+    Scene,
+    draw_scene,
+    encode_jpeg,
+    parse_caption,
+    render_caption,
+)
 
 __all__ = [
     "ATTRIBUTES",
@@ -73,76 +99,8 @@ __all__ = [
     "render_caption",
 ]
 
-# --------------------------------------------------------------------------------------------
-# Vocabulary. Colours are far apart in RGB so a 64 px JPEG keeps them distinguishable.
-SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "star", "cross", "diamond")
-COLOURS: dict[str, tuple[int, int, int]] = {
-    "red": (220, 30, 30),
-    "green": (30, 160, 50),
-    "blue": (40, 80, 235),
-    "yellow": (245, 225, 30),
-    "purple": (150, 50, 200),
-    "cyan": (0, 200, 220),
-    "white": (245, 245, 245),
-    "black": (15, 15, 15),
-}
-BACKGROUNDS: dict[str, tuple[int, int, int]] = {
-    "grey": (128, 128, 128),
-    "white": (240, 240, 240),
-    "black": (20, 20, 20),
-    "beige": (215, 195, 150),
-}
-SIZES: tuple[str, ...] = ("small", "large")
-POSITIONS: tuple[str, ...] = ("left", "right", "top", "bottom", "centre")
-COUNTS: tuple[int, ...] = (1, 2, 3)
-ATTRIBUTES: tuple[str, ...] = ("shape", "colour", "size", "position", "count", "background")
-
-KIND_DEGREES: dict[str, float] = {"clean": 1.0, "partial": 0.5, "mismatched": 0.0}
-CORRUPT_MODES: tuple[str, ...] = (
-    "truncated_jpeg",  # scan data cut in half: Image.open works, .load() fails
-    "empty_image",  # zero-byte .jpg member
-    "missing_txt",  # no .txt member at all
-    "invalid_utf8",  # .txt bytes that do not decode as UTF-8
-    "empty_caption",  # .txt member present but empty
-)
-# A mismatched caption that differed in one attribute only would be a partial pair in disguise.
-MIN_MISMATCH_DIFF = 2
 # Held-out keys start at this shard prefix so they never collide with training keys.
 TEST_SHARD_OFFSET = 90_000
-
-# Caption templates: {obj} = "two small red circles", {pos} = "on the left", {a_bg} = "a grey",
-# {be} = "is" / "are". Every template names all six attributes, so one changed attribute is
-# always visible in the text and parse_caption can invert every caption.
-TEMPLATES: tuple[str, ...] = (
-    "{obj} {pos} on {a_bg} background",
-    "{obj} {pos} of {a_bg} picture",
-    "there {be} {obj} {pos} of {a_bg} image",
-    "{a_bg} background with {obj} {pos}",
-    "{obj} against {a_bg} backdrop, {pos}",
-    "photo of {obj} {pos}, {bg} background",
-)
-_POSITION_PHRASES: dict[str, tuple[str, ...]] = {
-    "left": ("on the left",),
-    "right": ("on the right",),
-    "top": ("at the top",),
-    "bottom": ("at the bottom",),
-    "centre": ("in the middle", "in the centre"),
-}
-_COUNT_WORDS = {2: "two", 3: "three"}
-_PLURALS = {shape: shape + ("es" if shape.endswith("s") else "s") for shape in SHAPES}
-
-# Geometry, as fractions of the image side. Large objects must still fit three in a row.
-_RADIUS = {"small": 0.085, "large": 0.14}
-_ANCHORS = {
-    "left": (0.27, 0.5),
-    "right": (0.73, 0.5),
-    "top": (0.5, 0.27),
-    "bottom": (0.5, 0.73),
-    "centre": (0.5, 0.5),
-}
-_MIN_CONTRAST = 120.0  # RGB distance object/background below which the object is hard to see
-_SUPERSAMPLE = 2  # draw at 2x and box-reduce: cheap anti-aliasing so small shapes keep outlines
-_JPEG_QUALITY = 90
 _TAR_MTIME = 946_684_800  # fixed (2000-01-01) so tar bytes do not depend on when they were made
 _MAX_PER_SHARD = 10_000  # the 4-digit in-shard part of a key
 
@@ -185,18 +143,6 @@ GROUND_TRUTH_SCHEMA = pa.schema(
 
 
 @dataclass(frozen=True)
-class Scene:
-    """What an image shows; a caption names all six attributes."""
-
-    shape: str  # one of SHAPES
-    colour: str  # one of COLOURS (object colour)
-    size: str  # one of SIZES
-    position: str  # one of POSITIONS
-    count: int  # one of COUNTS; all objects share shape, colour and size
-    background: str  # one of BACKGROUNDS
-
-
-@dataclass(frozen=True)
 class CorpusSummary:
     """What `make_corpus` wrote. Paths are strings; sequences are tuples (immutable)."""
 
@@ -211,355 +157,6 @@ class CorpusSummary:
     corrupt: int  # training samples with a damaged member
     corrupt_counts: dict[str, int]  # per CORRUPT_MODES entry (zeros included)
     seed: int
-
-
-@dataclass(frozen=True)
-class _Sample:
-    key: str
-    shard: str
-    scene: Scene
-    template: int
-    variant: int  # which synonym of the position phrase
-    original_size: tuple[int, int]  # the fake pre-resize (width, height) img2dataset records
-    kind: str = "clean"
-    noisy_caption: str = ""
-    changed_attribute: str | None = None
-    corrupt: str | None = None
-
-    @property
-    def caption(self) -> str:
-        return render_caption(self.scene, self.template, self.variant)
-
-
-# --------------------------------------------------------------------------------------------
-# Captions
-
-
-def _article(word: str) -> str:
-    return "an" if word[0] in "aeiou" else "a"
-
-
-def render_caption(scene: Scene, template: int = 0, variant: int = 0) -> str:
-    """Render the caption of `scene` with one of `TEMPLATES`.
-
-    Args:
-        scene: the attributes to describe.
-        template: index into `TEMPLATES` (taken modulo its length).
-        variant: picks a synonym where a phrase has several (taken modulo their number).
-
-    Returns:
-        A lower-case English caption naming all six attributes, e.g.
-        ``"two small green triangles at the top on a grey background"``.
-    """
-    noun = scene.shape if scene.count == 1 else _PLURALS[scene.shape]
-    phrase = f"{scene.size} {scene.colour} {noun}"
-    count_word = _article(phrase) if scene.count == 1 else _COUNT_WORDS[scene.count]
-    phrases = _POSITION_PHRASES[scene.position]
-    return TEMPLATES[template % len(TEMPLATES)].format(
-        obj=f"{count_word} {phrase}",
-        pos=phrases[variant % len(phrases)],
-        a_bg=f"{_article(scene.background)} {scene.background}",
-        bg=scene.background,
-        be="is" if scene.count == 1 else "are",
-    )
-
-
-def _alternation(words: Sequence[str]) -> str:
-    # Longest first so "crosses" is not matched as "cross" + leftover text.
-    return "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
-
-
-def _build_parsers() -> tuple[re.Pattern[str], ...]:
-    nouns = list(SHAPES) + list(_PLURALS.values())
-    pos_words = [p for phrases in _POSITION_PHRASES.values() for p in phrases]
-    parts = {
-        "obj": (
-            rf"(?P<count>a|an|{_alternation(list(_COUNT_WORDS.values()))}) "
-            rf"(?P<size>{_alternation(SIZES)}) (?P<colour>{_alternation(list(COLOURS))}) "
-            rf"(?P<noun>{_alternation(nouns)})"
-        ),
-        "pos": rf"(?P<pos>{_alternation(pos_words)})",
-        "a_bg": rf"(?:a|an) (?P<bg>{_alternation(list(BACKGROUNDS))})",
-        "bg": rf"(?P<bg>{_alternation(list(BACKGROUNDS))})",
-        "be": r"(?:is|are)",
-    }
-    patterns = []
-    for template in TEMPLATES:
-        # Escape the literal text between placeholders, then splice the groups in.
-        pieces = re.split(r"\{(\w+)\}", template)
-        regex = "".join(
-            parts[piece] if i % 2 else re.escape(piece) for i, piece in enumerate(pieces)
-        )
-        patterns.append(re.compile(f"^{regex}$"))
-    return tuple(patterns)
-
-
-_PARSERS = _build_parsers()
-_NOUN_TO_SHAPE = {**{s: s for s in SHAPES}, **{p: s for s, p in _PLURALS.items()}}
-_PHRASE_TO_POSITION = {p: pos for pos, phrases in _POSITION_PHRASES.items() for p in phrases}
-_WORD_TO_COUNT = {"a": 1, "an": 1, **{w: n for n, w in _COUNT_WORDS.items()}}
-
-
-def parse_caption(caption: str) -> Scene | None:
-    """Invert `render_caption`.
-
-    Args:
-        caption: a caption produced by `render_caption` (any template, any variant).
-
-    Returns:
-        The scene it describes, or None when it matches no template.
-    """
-    for pattern in _PARSERS:
-        match = pattern.match(caption)
-        if match is not None:
-            return Scene(
-                shape=_NOUN_TO_SHAPE[match["noun"]],
-                colour=match["colour"],
-                size=match["size"],
-                position=_PHRASE_TO_POSITION[match["pos"]],
-                count=_WORD_TO_COUNT[match["count"]],
-                background=match["bg"],
-            )
-    return None
-
-
-def _n_differences(a: Scene, b: Scene) -> int:
-    return sum(getattr(a, name) != getattr(b, name) for name in ATTRIBUTES)
-
-
-# --------------------------------------------------------------------------------------------
-# Drawing
-
-
-def _allowed_colours(background: str) -> list[str]:
-    bg = BACKGROUNDS[background]
-    return [c for c, rgb in COLOURS.items() if math.dist(rgb, bg) >= _MIN_CONTRAST]
-
-
-_ALLOWED_COLOURS = {bg: _allowed_colours(bg) for bg in BACKGROUNDS}
-
-
-def _shape_points(shape: str, cx: float, cy: float, r: float, rot: float) -> list[tuple]:
-    """Polygon vertices (pixels) of `shape` centred at (cx, cy) with nominal radius `r`."""
-    if shape == "square":
-        h = 0.85 * r  # area close to the circle's, so size reads the same for every shape
-        pts = [(-h, -h), (h, -h), (h, h), (-h, h)]
-    elif shape == "diamond":
-        pts = [(0.0, -1.1 * r), (0.75 * r, 0.0), (0.0, 1.1 * r), (-0.75 * r, 0.0)]
-    elif shape == "triangle":
-        # Pointing up; shifted down by 0.2 r so its visual centre sits on (cx, cy).
-        pts = [
-            (1.15 * r * math.cos(a), 1.15 * r * math.sin(a) + 0.2 * r)
-            for a in (-math.pi / 2, math.pi / 6, 5 * math.pi / 6)
-        ]
-    elif shape == "star":
-        pts = [
-            (
-                (r if k % 2 == 0 else 0.45 * r) * math.cos(-math.pi / 2 + k * math.pi / 5),
-                (r if k % 2 == 0 else 0.45 * r) * math.sin(-math.pi / 2 + k * math.pi / 5),
-            )
-            for k in range(10)
-        ]
-    elif shape == "cross":
-        w = 0.32 * r
-        pts = [
-            (-w, -r), (w, -r), (w, -w), (r, -w), (r, w), (w, w),
-            (w, r), (-w, r), (-w, w), (-r, w), (-r, -w), (-w, -w),
-        ]  # fmt: skip
-    else:
-        raise ValueError(f"no polygon for shape {shape!r}")
-    c, s = math.cos(rot), math.sin(rot)
-    return [(cx + x * c - y * s, cy + x * s + y * c) for x, y in pts]
-
-
-def _jitter_rgb(
-    rgb: tuple[int, int, int], rng: np.random.Generator, shift: int, tint: int
-) -> tuple[int, int, int]:
-    # A shared brightness shift plus a small per-channel tint: a per-channel-only jitter as
-    # large would turn a white background pink or a grey one green.
-    jittered = np.asarray(rgb) + rng.integers(-shift, shift + 1) + rng.integers(-tint, tint + 1, 3)
-    r, g, b = (int(v) for v in np.clip(jittered, 0, 255))
-    return r, g, b
-
-
-def _draw_scene(scene: Scene, image_size: int, rng: np.random.Generator) -> Image.Image:
-    """Draw `scene` as an RGB image of side `image_size` with light jitter and pixel noise."""
-    side = image_size * _SUPERSAMPLE
-    img = Image.new("RGB", (side, side), _jitter_rgb(BACKGROUNDS[scene.background], rng, 10, 3))
-    draw = ImageDraw.Draw(img)
-    colour = _jitter_rgb(COLOURS[scene.colour], rng, 10, 6)
-    radius = _RADIUS[scene.size]
-    ax, ay = _ANCHORS[scene.position]
-    # Several objects line up across the position's axis: a column on the left/right, a row
-    # elsewhere, so "two ... on the left" and "two ... at the top" look different.
-    along_y = scene.position in ("left", "right")
-    spacing = 2.3 * radius  # centre to centre; jittered radii stay apart
-    for k in range(scene.count):
-        offset = (k - (scene.count - 1) / 2) * spacing
-        cx = ax + (0.0 if along_y else offset) + rng.uniform(-0.025, 0.025)
-        cy = ay + (offset if along_y else 0.0) + rng.uniform(-0.025, 0.025)
-        r = radius * rng.uniform(0.9, 1.1) * side
-        cx, cy = cx * side, cy * side
-        rot = rng.uniform(-0.14, 0.14)  # ~8 degrees: never enough to turn a square into a diamond
-        if scene.shape == "circle":
-            draw.ellipse((cx - 0.95 * r, cy - 0.95 * r, cx + 0.95 * r, cy + 0.95 * r), fill=colour)
-        else:
-            draw.polygon(_shape_points(scene.shape, cx, cy, r, rot), fill=colour)
-    img = img.reduce(_SUPERSAMPLE)
-    pixels = np.asarray(img, dtype=np.int16) + rng.integers(
-        -4, 5, (image_size, image_size, 3), dtype=np.int16
-    )
-    return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB")
-
-
-def _encode_jpeg(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    # 4:4:4 chroma: 4:2:0 would smear the colour of 10 px objects into the background.
-    img.save(buf, format="JPEG", quality=_JPEG_QUALITY, subsampling=0)
-    return buf.getvalue()
-
-
-# --------------------------------------------------------------------------------------------
-# Sampling scenes and noise
-
-
-def _draw_samples(
-    n: int, samples_per_shard: int, shard_offset: int, image_size: int, rng: np.random.Generator
-) -> list[_Sample]:
-    """Draw `n` clean samples (scene, template, key) from `rng`."""
-    shapes = rng.integers(0, len(SHAPES), n)
-    sizes = rng.integers(0, len(SIZES), n)
-    positions = rng.integers(0, len(POSITIONS), n)
-    counts = rng.integers(0, len(COUNTS), n)
-    backgrounds = rng.integers(0, len(BACKGROUNDS), n)
-    colour_draws = rng.integers(0, 1 << 30, n)  # reduced modulo the background's allowed list
-    templates = rng.integers(0, len(TEMPLATES), n)
-    variants = rng.integers(0, 2, n)
-    # img2dataset records the size before resizing; any plausible web size will do.
-    originals = rng.integers(image_size, 8 * image_size + 1, (n, 2))
-    bg_names = list(BACKGROUNDS)
-    out = []
-    for i in range(n):
-        shard, within = divmod(i, samples_per_shard)
-        bg = bg_names[backgrounds[i]]
-        allowed = _ALLOWED_COLOURS[bg]
-        scene = Scene(
-            shape=SHAPES[shapes[i]],
-            colour=allowed[colour_draws[i] % len(allowed)],
-            size=SIZES[sizes[i]],
-            position=POSITIONS[positions[i]],
-            count=COUNTS[counts[i]],
-            background=bg,
-        )
-        sample = _Sample(
-            key=f"{shard + shard_offset:05d}{within:04d}",
-            shard=f"{shard:05d}",
-            scene=scene,
-            template=int(templates[i]),
-            variant=int(variants[i]),
-            original_size=(int(originals[i, 0]), int(originals[i, 1])),
-        )
-        out.append(dataclasses.replace(sample, noisy_caption=sample.caption))
-    return out
-
-
-def _alternatives(scene: Scene, attribute: str) -> list:
-    """Values `attribute` may take in a one-attribute corruption of `scene`."""
-    current = getattr(scene, attribute)
-    if attribute == "colour":
-        # Not the background's name either: "a white star on a white background" is nonsense.
-        return [c for c in COLOURS if c not in (current, scene.background)]
-    if attribute == "background":
-        return [b for b in BACKGROUNDS if b not in (current, scene.colour)]
-    values = {"shape": SHAPES, "size": SIZES, "position": POSITIONS, "count": COUNTS}[attribute]
-    return [v for v in values if v != current]
-
-
-def _make_partial(sample: _Sample, rng: np.random.Generator) -> _Sample:
-    attribute = ATTRIBUTES[int(rng.integers(0, len(ATTRIBUTES)))]
-    choices = _alternatives(sample.scene, attribute)
-    wrong = dataclasses.replace(
-        sample.scene, **{attribute: choices[int(rng.integers(0, len(choices)))]}
-    )
-    return dataclasses.replace(
-        sample,
-        kind="partial",
-        noisy_caption=render_caption(wrong, sample.template, sample.variant),
-        changed_attribute=attribute,
-    )
-
-
-def _assign_donors(
-    receivers: np.ndarray, samples: list[_Sample], rng: np.random.Generator
-) -> dict[int, str]:
-    """Pick, for every mismatched sample, the caption it receives.
-
-    A random permutation of the receivers' own captions (the NCR protocol), repaired by swaps
-    wherever a receiver would get its own caption or one too close to its scene. A receiver no
-    swap can fix (tiny sets: one mismatched sample, near-identical scenes) borrows the caption
-    of any other sample in the corpus, and as a last resort a freshly drawn scene's caption.
-    """
-
-    def ok(receiver: int, donor: int) -> bool:
-        return receiver != donor and (
-            _n_differences(samples[receiver].scene, samples[donor].scene) >= MIN_MISMATCH_DIFF
-        )
-
-    receivers = [int(r) for r in receivers]
-    donor = dict(zip(receivers, (int(d) for d in rng.permutation(receivers)), strict=True))
-    captions: dict[int, str] = {}
-    for r in receivers:
-        if not ok(r, donor[r]):
-            for other in rng.permutation(receivers):
-                other = int(other)
-                if ok(r, donor[other]) and ok(other, donor[r]):
-                    donor[r], donor[other] = donor[other], donor[r]
-                    break
-        if ok(r, donor[r]):
-            continue
-        for any_sample in rng.permutation(len(samples)):
-            if ok(r, int(any_sample)):
-                captions[r] = samples[int(any_sample)].caption
-                break
-        else:
-            captions[r] = _unrelated_caption(samples[r], rng)
-    for r in receivers:
-        captions.setdefault(r, samples[donor[r]].caption)
-    return captions
-
-
-def _unrelated_caption(sample: _Sample, rng: np.random.Generator) -> str:
-    """A caption whose scene differs from `sample`'s in every attribute."""
-    scene = sample.scene
-    changes = {}
-    for attribute in ATTRIBUTES:
-        choices = _alternatives(dataclasses.replace(scene, **changes), attribute)
-        changes[attribute] = choices[int(rng.integers(0, len(choices)))]
-    return render_caption(Scene(**changes), sample.template, sample.variant)
-
-
-def _apply_noise(
-    samples: list[_Sample], n_mismatched: int, n_partial: int, rng: np.random.Generator
-) -> list[_Sample]:
-    order = rng.permutation(len(samples))
-    mismatched = np.sort(order[:n_mismatched])
-    partial = np.sort(order[n_mismatched : n_mismatched + n_partial])
-    out = list(samples)
-    for i in partial:
-        out[i] = _make_partial(samples[i], rng)
-    for i, caption in _assign_donors(mismatched, samples, rng).items():
-        out[i] = dataclasses.replace(samples[i], kind="mismatched", noisy_caption=caption)
-    return out
-
-
-def _apply_corruption(
-    samples: list[_Sample], n_corrupt: int, rng: np.random.Generator
-) -> list[_Sample]:
-    out = list(samples)
-    # Round-robin over a seeded order: every mode appears once n_corrupt >= len(CORRUPT_MODES).
-    for rank, i in enumerate(rng.permutation(len(samples))[:n_corrupt]):
-        out[i] = dataclasses.replace(out[i], corrupt=CORRUPT_MODES[rank % len(CORRUPT_MODES)])
-    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -601,7 +198,7 @@ def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 def _write_shard(
     directory: Path,
     shard: str,
-    samples: Sequence[_Sample],
+    samples: Sequence[Sample],
     image_size: int,
     rng: np.random.Generator,
 ) -> Path:
@@ -612,7 +209,7 @@ def _write_shard(
     tmp = directory / f"{shard}.tar.tmp"
     with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
         for sample in samples:
-            jpg = _encode_jpeg(_draw_scene(sample.scene, image_size, rng))
+            jpg = encode_jpeg(draw_scene(sample.scene, image_size, rng))
             caption = "" if sample.corrupt == "empty_caption" else sample.noisy_caption
             meta = {
                 "url": f"https://example.invalid/img/{sample.key}.jpg",
@@ -657,7 +254,7 @@ def _write_shard(
     return tar_path
 
 
-def _write_ground_truth(path: Path, samples: Sequence[_Sample], params: dict) -> None:
+def _write_ground_truth(path: Path, samples: Sequence[Sample], params: dict) -> None:
     columns = {
         "key": [s.key for s in samples],
         "shard": [s.shard for s in samples],
@@ -679,7 +276,7 @@ def _write_ground_truth(path: Path, samples: Sequence[_Sample], params: dict) ->
 
 def _write_split(
     directory: Path,
-    samples: list[_Sample],
+    samples: list[Sample],
     samples_per_shard: int,
     image_size: int,
     seed: int,
@@ -774,6 +371,83 @@ def _validate(
         )
 
 
+def _noisy_train_samples(
+    samples: int,
+    noise: float,
+    partial: float,
+    corrupt: float,
+    seed: int,
+    samples_per_shard: int,
+    image_size: int,
+) -> list[Sample]:
+    """The training split: clean draws, then caption noise, then damaged members."""
+    train = draw_samples(
+        samples,
+        samples_per_shard,
+        0,
+        image_size,
+        np.random.default_rng([seed, _STREAM_SCENES, _SPLIT_TRAIN]),
+    )
+    train = apply_noise(
+        train,
+        _count(noise, samples),
+        _count(partial, samples),
+        np.random.default_rng([seed, _STREAM_NOISE]),
+    )
+    return apply_corruption(
+        train, _count(corrupt, samples), np.random.default_rng([seed, _STREAM_CORRUPT])
+    )
+
+
+def _write_test_split(out: Path, params: dict) -> tuple[list[str], Path]:
+    """Write the clean held-out split under ``out/test``; returns (tar paths, ground truth)."""
+    seed, samples_per_shard, image_size = (
+        params["seed"],
+        params["samples_per_shard"],
+        params["image_size"],
+    )
+    test = draw_samples(
+        params["test_samples"],
+        samples_per_shard,
+        TEST_SHARD_OFFSET,
+        image_size,
+        np.random.default_rng([seed, _STREAM_SCENES, _SPLIT_TEST]),
+    )
+    test_shards = _write_split(out / "test", test, samples_per_shard, image_size, seed, _SPLIT_TEST)
+    test_gt = out / "test" / "ground_truth.parquet"
+    _write_ground_truth(test_gt, test, {**params, "split": "test"})
+    return test_shards, test_gt
+
+
+def _summary(
+    out: Path,
+    train: list[Sample],
+    shards: list[str],
+    test_shards: list[str],
+    test_gt: Path | None,
+    params: dict,
+) -> CorpusSummary:
+    counts = {kind: 0 for kind in KIND_DEGREES}
+    corrupt_counts = {mode: 0 for mode in CORRUPT_MODES}
+    for sample in train:
+        counts[sample.kind] += 1
+        if sample.corrupt is not None:
+            corrupt_counts[sample.corrupt] += 1
+    return CorpusSummary(
+        out_dir=str(out),
+        shards=tuple(shards),
+        test_shards=tuple(test_shards),
+        ground_truth=str(out / "ground_truth.parquet"),
+        test_ground_truth=None if test_gt is None else str(test_gt),
+        samples=params["samples"],
+        test_samples=params["test_samples"],
+        counts=counts,
+        corrupt=sum(corrupt_counts.values()),
+        corrupt_counts=corrupt_counts,
+        seed=params["seed"],
+    )
+
+
 def make_corpus(
     out_dir: str | os.PathLike,
     *,
@@ -825,58 +499,14 @@ def make_corpus(
         "corrupt": corrupt,
     }
 
-    train = _draw_samples(
-        samples,
-        samples_per_shard,
-        0,
-        image_size,
-        np.random.default_rng([seed, _STREAM_SCENES, _SPLIT_TRAIN]),
-    )
-    train = _apply_noise(
-        train,
-        _count(noise, samples),
-        _count(partial, samples),
-        np.random.default_rng([seed, _STREAM_NOISE]),
-    )
-    train = _apply_corruption(
-        train, _count(corrupt, samples), np.random.default_rng([seed, _STREAM_CORRUPT])
+    train = _noisy_train_samples(
+        samples, noise, partial, corrupt, seed, samples_per_shard, image_size
     )
     shards = _write_split(out, train, samples_per_shard, image_size, seed, _SPLIT_TRAIN)
-
     test_shards: list[str] = []
     test_gt = None
     if test_samples:
-        test = _draw_samples(
-            test_samples,
-            samples_per_shard,
-            TEST_SHARD_OFFSET,
-            image_size,
-            np.random.default_rng([seed, _STREAM_SCENES, _SPLIT_TEST]),
-        )
-        test_shards = _write_split(
-            out / "test", test, samples_per_shard, image_size, seed, _SPLIT_TEST
-        )
-        test_gt = out / "test" / "ground_truth.parquet"
-        _write_ground_truth(test_gt, test, {**params, "split": "test"})
+        test_shards, test_gt = _write_test_split(out, params)
     # Written last: its presence marks a complete corpus (and lets a rerun replace it).
     _write_ground_truth(out / "ground_truth.parquet", train, {**params, "split": "train"})
-
-    counts = {kind: 0 for kind in KIND_DEGREES}
-    corrupt_counts = {mode: 0 for mode in CORRUPT_MODES}
-    for sample in train:
-        counts[sample.kind] += 1
-        if sample.corrupt is not None:
-            corrupt_counts[sample.corrupt] += 1
-    return CorpusSummary(
-        out_dir=str(out),
-        shards=tuple(shards),
-        test_shards=tuple(test_shards),
-        ground_truth=str(out / "ground_truth.parquet"),
-        test_ground_truth=None if test_gt is None else str(test_gt),
-        samples=samples,
-        test_samples=test_samples,
-        counts=counts,
-        corrupt=sum(corrupt_counts.values()),
-        corrupt_counts=corrupt_counts,
-        seed=seed,
-    )
+    return _summary(out, train, shards, test_shards, test_gt, params)
