@@ -184,6 +184,143 @@ def _thumbnails(wanted: dict[str, list[str]], shard_paths: dict[str, str], fs, f
     return out
 
 
+def _losses_and_mixture(table, meta: dict[str, str]) -> tuple[np.ndarray, dict[str, Any]]:
+    """The losses the mixture was fitted on, and that mixture's record."""
+    import json
+
+    from pipeline.inspect_run import label_table_metadata
+    from pipeline.labels import read_labels
+
+    mixture = json.loads(meta.get("ncl.mixture", "{}") or "{}")
+    loss = table.column("loss").to_numpy().astype(np.float64)
+    sources = json.loads(meta.get("ncl.sources", "[]") or "[]")
+    if sources:
+        # Published labels average two views; a mixture was fitted on one view's losses only.
+        source = read_labels(sources[0])
+        mixture = json.loads(label_table_metadata(source).get("ncl.mixture", "{}") or "{}")
+        loss = source.to_table(columns=["loss"]).column("loss").to_numpy().astype(np.float64)
+    return loss, mixture
+
+
+def _groups(table, keys: np.ndarray, truth_path: str | None):
+    """(group per row, colours, figure title): the true kind when ground truth exists."""
+    import pyarrow.parquet as pq
+
+    if truth_path:
+        truth = pq.read_table(truth_path, columns=["key", "kind"])
+        kind_of = dict(
+            zip(truth.column("key").to_pylist(), truth.column("kind").to_pylist(), strict=True)
+        )
+        groups = np.array([kind_of.get(k, "unknown") for k in keys], dtype=object)
+        return groups, KIND_COLOURS, "by true kind (ground truth)"
+    groups = np.array(table.column("subset").to_pylist(), dtype=object)
+    return groups, SUBSET_COLOURS, "by subset (no ground truth)"
+
+
+def _shard_paths(dataset) -> dict[str, str]:
+    """Shard name -> source tar path, from each label table's metadata."""
+    import pyarrow.parquet as pq
+
+    shard_paths = {}
+    for path in dataset.files:
+        with dataset.filesystem.open_input_file(path) as handle:
+            file_meta = pq.read_schema(handle).metadata or {}
+        shard = os.path.basename(path)[: -len(".parquet")]
+        shard_paths[shard] = file_meta.get(b"ncl.shard_path", b"").decode()
+    return shard_paths
+
+
+def _captions_of(dataset, keys: set[str]) -> dict[str, str]:
+    import pyarrow.compute as pc
+
+    if not keys:
+        return {}
+    found = dataset.to_table(columns=["key", "caption"], filter=pc.field("key").isin(sorted(keys)))
+    return dict(
+        zip(found.column("key").to_pylist(), found.column("caption").to_pylist(), strict=True)
+    )
+
+
+def _gallery_rows(dataset, table, order, soft, prob, truth_groups, fs, out: str) -> list[str]:
+    """HTML rows of the gallery (thumbnails written on the way); `truth_groups` may be None."""
+    keys = table.column("key").to_pylist()
+    shards = table.column("shard").to_pylist()
+    anchor_keys = table.column("image_anchor_key").to_pylist()
+    text_anchor_keys = table.column("text_anchor_key").to_pylist()
+    captions = table.column("caption").to_pylist()
+    subsets = table.column("subset").to_pylist()
+    wanted: dict[str, list[str]] = {}
+    for row in order:
+        wanted.setdefault(shards[row], []).append(keys[row])
+    thumbs = _thumbnails(wanted, _shard_paths(dataset), fs, out)
+    anchors = {a for row in order for a in (anchor_keys[row], text_anchor_keys[row]) if a}
+    anchor_caption = _captions_of(dataset, anchors)
+
+    rows_html = []
+    for row in order:
+        key = keys[row]
+        image = (
+            f'<img src="{html.escape(thumbs[key])}" alt="{html.escape(key)}">'
+            if key in thumbs
+            else "<em>no thumbnail</em>"
+        )
+        anchor = anchor_keys[row] or text_anchor_keys[row]
+        anchor_text = anchor_caption.get(anchor, "") if anchor else ""
+        gt = f"<br>true: {html.escape(str(truth_groups[row]))}" if truth_groups is not None else ""
+        rows_html.append(
+            "<tr>"
+            f"<td>{image}</td>"
+            f"<td><code>{html.escape(key)}</code><br>{html.escape(captions[row] or '')}</td>"
+            f"<td>{soft[row]:.3f}<br>p={prob[row]:.3f}<br>{html.escape(subsets[row])}{gt}</td>"
+            f"<td>{html.escape(anchor_text) or '<em>none</em>'}"
+            f"{'<br><code>' + html.escape(anchor) + '</code>' if anchor else ''}</td>"
+            "</tr>"
+        )
+    return rows_html
+
+
+def _quality_html(summary: dict | None) -> str:
+    if not (summary and summary.get("quality")):
+        return ""
+    cells = []
+    for name, q in summary["quality"].items():
+        values = [q.get(k) for k in ("auroc", "spearman", "precision", "recall")]
+        text = "".join(f"<td>{'-' if v is None else f'{v:.3f}'}</td>" for v in values)
+        cells.append(f"<tr><td>{html.escape(name)}</td>{text}</tr>")
+    return (
+        "<h2>Label quality</h2><table class=q><tr><th>score</th><th>AUROC</th>"
+        "<th>Spearman</th><th>precision</th><th>recall</th></tr>" + "".join(cells) + "</table>"
+    )
+
+
+def _page(
+    folder: str, meta: dict[str, str], text: str, quality_html: str, rows_html: list[str]
+) -> str:
+    """The index page; `text` is the escaped inspect_run output."""
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>ncl-pipeline report</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; max-width: 1100px; }}
+table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ccc; padding: 4px 8px; }}
+table.g td {{ vertical-align: top; font-size: 13px; }} table.q td {{ text-align: right; }}
+pre {{ background: #f6f6f6; padding: 1em; font-size: 12px; }}
+</style></head><body>
+<h1>ncl-pipeline report</h1>
+<p>{html.escape(folder)}: method <b>{html.escape(meta.get("ncl.method", "?"))}</b>,
+round {html.escape(meta.get("ncl.round", "?"))}, model {html.escape(meta.get("ncl.model_id", "?"))}
+</p>
+<pre>{text}</pre>
+{quality_html}
+<h2>Loss distribution and mixtures</h2><img src="loss_mixture.png" alt="loss mixture">
+<h2>Soft labels</h2><img src="soft_labels.png" alt="soft labels">
+<h2>The {len(rows_html)} lowest-labelled pairs</h2>
+<table class=g>
+<tr><th>image</th><th>caption</th><th>label</th><th>nearest anchor's caption</th></tr>
+{"".join(rows_html)}
+</table></body></html>
+"""
+
+
 def write_report(
     run_dir: str | os.PathLike,
     *,
@@ -203,11 +340,7 @@ def write_report(
     Raises:
         pipeline.labels.LabelTableError: no label tables under `run_dir`.
     """
-    import json
-
     import fsspec
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     from pipeline.inspect_run import _run_dir_of, inspect_run, label_table_metadata
     from pipeline.io.tables import read_json
@@ -221,7 +354,6 @@ def write_report(
     out = f"{root}/report"
     fs.makedirs(f"{out}/thumbs", exist_ok=True)
     meta = label_table_metadata(dataset)
-    mixture = json.loads(meta.get("ncl.mixture", "{}") or "{}")
     summary = read_json(f"{folder}/_label_pass.json")
     columns = ["key", "shard", "caption", "soft_label", "clean_prob", "subset", "loss"]
     columns += ["image_anchor_key", "text_anchor_key"]
@@ -230,113 +362,23 @@ def write_report(
     prob = table.column("clean_prob").to_numpy()
     keys = np.array(table.column("key").to_pylist(), dtype=object)
 
-    loss = table.column("loss").to_numpy().astype(np.float64)
-    sources = json.loads(meta.get("ncl.sources", "[]") or "[]")
-    if sources:
-        # Published labels average two views; a mixture was fitted on one view's losses only.
-        source = read_labels(sources[0])
-        mixture = json.loads(label_table_metadata(source).get("ncl.mixture", "{}") or "{}")
-        loss = source.to_table(columns=["loss"]).column("loss").to_numpy().astype(np.float64)
+    loss, mixture = _losses_and_mixture(table, meta)
     fig = _loss_figure(plt, loss, mixture)
     _save(fig, fs, f"{out}/loss_mixture.png")
     plt.close(fig)
 
     truth_path = _ground_truth_path(ground_truth, summary, root)
-    if truth_path:
-        truth = pq.read_table(truth_path, columns=["key", "kind"])
-        kind_of = dict(
-            zip(truth.column("key").to_pylist(), truth.column("kind").to_pylist(), strict=True)
-        )
-        groups = np.array([kind_of.get(k, "unknown") for k in keys], dtype=object)
-        fig = _label_figure(plt, soft, prob, groups, KIND_COLOURS, "by true kind (ground truth)")
-    else:
-        groups = np.array(table.column("subset").to_pylist(), dtype=object)
-        fig = _label_figure(plt, soft, prob, groups, SUBSET_COLOURS, "by subset (no ground truth)")
+    groups, colours, title = _groups(table, keys, truth_path)
+    fig = _label_figure(plt, soft, prob, groups, colours, title)
     _save(fig, fs, f"{out}/soft_labels.png")
     plt.close(fig)
 
     # Gallery: lowest labels first, ties by key.
     order = np.lexsort((keys.astype(str), soft))[:gallery_size]
-    shards = table.column("shard").to_pylist()
-    anchor_keys = table.column("image_anchor_key").to_pylist()
-    text_anchor_keys = table.column("text_anchor_key").to_pylist()
-    captions = table.column("caption").to_pylist()
-    subsets = table.column("subset").to_pylist()
-    wanted: dict[str, list[str]] = {}
-    for row in order:
-        wanted.setdefault(shards[row], []).append(keys[row])
-    shard_paths = {}
-    for path in dataset.files:
-        with dataset.filesystem.open_input_file(path) as handle:
-            file_meta = pq.read_schema(handle).metadata or {}
-        shard = os.path.basename(path)[: -len(".parquet")]
-        shard_paths[shard] = file_meta.get(b"ncl.shard_path", b"").decode()
-    thumbs = _thumbnails(wanted, shard_paths, fs, out)
-    anchors = {a for row in order for a in (anchor_keys[row], text_anchor_keys[row]) if a}
-    anchor_caption = {}
-    if anchors:
-        found = dataset.to_table(
-            columns=["key", "caption"], filter=pc.field("key").isin(sorted(anchors))
-        )
-        anchor_caption = dict(
-            zip(found.column("key").to_pylist(), found.column("caption").to_pylist(), strict=True)
-        )
-
-    rows_html = []
-    for row in order:
-        key = keys[row]
-        image = (
-            f'<img src="{html.escape(thumbs[key])}" alt="{html.escape(key)}">'
-            if key in thumbs
-            else "<em>no thumbnail</em>"
-        )
-        anchor = anchor_keys[row] or text_anchor_keys[row]
-        anchor_text = anchor_caption.get(anchor, "") if anchor else ""
-        gt = f"<br>true: {html.escape(str(groups[row]))}" if truth_path else ""
-        rows_html.append(
-            "<tr>"
-            f"<td>{image}</td>"
-            f"<td><code>{html.escape(key)}</code><br>{html.escape(captions[row] or '')}</td>"
-            f"<td>{soft[row]:.3f}<br>p={prob[row]:.3f}<br>{html.escape(subsets[row])}{gt}</td>"
-            f"<td>{html.escape(anchor_text) or '<em>none</em>'}"
-            f"{'<br><code>' + html.escape(anchor) + '</code>' if anchor else ''}</td>"
-            "</tr>"
-        )
-    quality_html = ""
-    if summary and summary.get("quality"):
-        cells = []
-        for name, q in summary["quality"].items():
-            values = [q.get(k) for k in ("auroc", "spearman", "precision", "recall")]
-            text = "".join(f"<td>{'-' if v is None else f'{v:.3f}'}</td>" for v in values)
-            cells.append(f"<tr><td>{html.escape(name)}</td>{text}</tr>")
-        quality_html = (
-            "<h2>Label quality</h2><table class=q><tr><th>score</th><th>AUROC</th>"
-            "<th>Spearman</th><th>precision</th><th>recall</th></tr>" + "".join(cells) + "</table>"
-        )
+    truth_groups = groups if truth_path else None
+    rows_html = _gallery_rows(dataset, table, order, soft, prob, truth_groups, fs, out)
     text = html.escape(inspect_run(run_dir, view=view))
-    page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>ncl-pipeline report</title>
-<style>
-body {{ font-family: sans-serif; margin: 2em; max-width: 1100px; }}
-table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ccc; padding: 4px 8px; }}
-table.g td {{ vertical-align: top; font-size: 13px; }} table.q td {{ text-align: right; }}
-pre {{ background: #f6f6f6; padding: 1em; font-size: 12px; }}
-</style></head><body>
-<h1>ncl-pipeline report</h1>
-<p>{html.escape(folder)}: method <b>{html.escape(meta.get("ncl.method", "?"))}</b>,
-round {html.escape(meta.get("ncl.round", "?"))}, model {html.escape(meta.get("ncl.model_id", "?"))}
-</p>
-<pre>{text}</pre>
-{quality_html}
-<h2>Loss distribution and mixtures</h2><img src="loss_mixture.png" alt="loss mixture">
-<h2>Soft labels</h2><img src="soft_labels.png" alt="soft labels">
-<h2>The {len(order)} lowest-labelled pairs</h2>
-<table class=g>
-<tr><th>image</th><th>caption</th><th>label</th><th>nearest anchor's caption</th></tr>
-{"".join(rows_html)}
-</table></body></html>
-"""
     index = f"{out}/index.html"
     with fs.open(index, "w") as handle:
-        handle.write(page)
+        handle.write(_page(folder, meta, text, _quality_html(summary), rows_html))
     return index
