@@ -308,6 +308,91 @@ def _write_embeddings(
 # Driver side: the thin Ray Data wrapper.
 
 
+@dataclass
+class _PassTally:
+    """The pass summary's counters, folded from per-shard rows as they stream back."""
+
+    totals: Counter = field(default_factory=Counter)
+    actor_seconds: float = 0.0
+    reasons: Counter = field(default_factory=Counter)
+    ignored: Counter = field(default_factory=Counter)
+    failed: list[dict] = field(default_factory=list)
+    truncated: list[dict] = field(default_factory=list)
+
+    def add(self, row: dict) -> tuple[int, str]:
+        """Count one shard's summary row; returns (log level, status) for its log line."""
+        self.totals.update(
+            records=int(row["records"]),
+            embedded=int(row["embedded"]),
+            quarantined=int(row["quarantined"]),
+            short_batches=int(row["short_batches"]),
+        )
+        self.actor_seconds += float(row["seconds"])
+        self.reasons.update(json.loads(row["reasons"]))
+        self.ignored.update(json.loads(row["ignored_members"]))
+        status = f"FAILED ({row['error']})" if row["error"] else "ok"
+        level = logging.WARNING if row["error"] or row["warning"] else logging.INFO
+        if row["error"]:
+            self.failed.append({"shard": row["shard"], "path": row["path"], "error": row["error"]})
+        elif row["warning"]:
+            status = f"TRUNCATED ({row['warning']})"
+            self.truncated.append(
+                {"shard": row["shard"], "path": row["path"], "error": row["warning"]}
+            )
+        return level, status
+
+
+def _pool_size(spec: EmbedSpec, pending: int) -> tuple[int, float]:
+    """(actors, GPUs per actor) for `pending` shards on the cluster Ray is connected to."""
+    from pipeline.runtime import cluster_resources
+
+    concurrency = spec.embed.concurrency
+    cpus_per_worker, gpus_per_worker = spec.embed.cpus_per_worker, spec.embed.gpus_per_worker
+    cpus, gpus = cluster_resources()
+    use_gpus = gpus_per_worker if gpus > 0 else 0.0
+    if concurrency == "auto":
+        size = (
+            int(gpus // gpus_per_worker)
+            if use_gpus
+            else max(1, int(cpus // max(cpus_per_worker, 2)))
+        )
+    else:
+        size = int(concurrency)
+    return max(1, min(size, pending)), use_gpus
+
+
+def _embed_pending(spec: EmbedSpec, pending: list[str], tally: _PassTally, started: float) -> None:
+    """Run the actor pool over `pending` shard paths, logging one line per finished shard."""
+    import ray
+
+    size, use_gpus = _pool_size(spec, len(pending))
+    cpus_per_worker = spec.embed.cpus_per_worker
+    logger.info(
+        f"embed: {len(pending)} shards on {size} actor(s), "
+        f"{use_gpus or 0:g} GPU and {cpus_per_worker:g} CPU each"
+    )
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False  # one line per finished shard is clearer in logs
+    dataset = ray.data.from_items([{"path": p} for p in pending], override_num_blocks=len(pending))
+    summaries = dataset.map_batches(
+        EmbedShardStage,
+        fn_constructor_kwargs={"spec": spec},
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=size),
+        num_cpus=cpus_per_worker,
+        num_gpus=use_gpus,
+    )
+    for done, row in enumerate(summaries.iter_rows(), start=1):
+        level, status = tally.add(row)
+        elapsed = time.perf_counter() - started
+        logger.log(
+            level,
+            f"  [{done}/{len(pending)}] {row['shard']}: {int(row['embedded'])} embedded, "
+            f"{int(row['quarantined'])} quarantined, {float(row['seconds']):.1f}s {status}; "
+            f"{tally.totals['embedded'] / max(elapsed, 1e-9):.0f} pairs/s so far",
+        )
+
+
 def run_embed_pass(spec: EmbedSpec, shard_paths: list[str]) -> dict:
     """Embed every shard whose output is missing, on a Ray Data actor pool.
 
@@ -318,13 +403,8 @@ def run_embed_pass(spec: EmbedSpec, shard_paths: list[str]) -> dict:
     failed shards, aggregated from the per-shard rows as they stream back. Shards already
     complete are skipped and counted from their files' metadata only.
     """
-    import ray
-
     from pipeline.io.tables import file_exists
-    from pipeline.runtime import cluster_resources
 
-    concurrency = spec.embed.concurrency
-    cpus_per_worker, gpus_per_worker = spec.embed.cpus_per_worker, spec.embed.gpus_per_worker
     layout = RunLayout(spec.output)
     pending = [
         p
@@ -332,84 +412,28 @@ def run_embed_pass(spec: EmbedSpec, shard_paths: list[str]) -> dict:
         if not file_exists(layout.embeddings(spec.round_index, shard_name(p)))
     ]
     skipped = len(shard_paths) - len(pending)
-    totals: Counter = Counter()
-    actor_seconds = 0.0
-    reasons: Counter = Counter()
-    ignored: Counter = Counter()
-    failed: list[dict] = []
-    truncated: list[dict] = []
+    tally = _PassTally()
     started = time.perf_counter()
     if skipped:
         logger.info(f"embed: {skipped} of {len(shard_paths)} shards already complete, skipped")
     if pending:
-        cpus, gpus = cluster_resources()
-        use_gpus = gpus_per_worker if gpus > 0 else 0.0
-        if concurrency == "auto":
-            size = (
-                int(gpus // gpus_per_worker)
-                if use_gpus
-                else max(1, int(cpus // max(cpus_per_worker, 2)))
-            )
-        else:
-            size = int(concurrency)
-        size = max(1, min(size, len(pending)))
-        logger.info(
-            f"embed: {len(pending)} shards on {size} actor(s), "
-            f"{use_gpus or 0:g} GPU and {cpus_per_worker:g} CPU each"
-        )
-        ctx = ray.data.DataContext.get_current()
-        ctx.enable_progress_bars = False  # one line per finished shard is clearer in logs
-        dataset = ray.data.from_items(
-            [{"path": p} for p in pending], override_num_blocks=len(pending)
-        )
-        summaries = dataset.map_batches(
-            EmbedShardStage,
-            fn_constructor_kwargs={"spec": spec},
-            batch_size=1,
-            compute=ray.data.ActorPoolStrategy(size=size),
-            num_cpus=cpus_per_worker,
-            num_gpus=use_gpus,
-        )
-        for done, row in enumerate(summaries.iter_rows(), start=1):
-            totals.update(
-                records=int(row["records"]),
-                embedded=int(row["embedded"]),
-                quarantined=int(row["quarantined"]),
-                short_batches=int(row["short_batches"]),
-            )
-            actor_seconds += float(row["seconds"])
-            reasons.update(json.loads(row["reasons"]))
-            ignored.update(json.loads(row["ignored_members"]))
-            status = f"FAILED ({row['error']})" if row["error"] else "ok"
-            level = logging.WARNING if row["error"] or row["warning"] else logging.INFO
-            if row["error"]:
-                failed.append({"shard": row["shard"], "path": row["path"], "error": row["error"]})
-            elif row["warning"]:
-                status = f"TRUNCATED ({row['warning']})"
-                truncated.append(
-                    {"shard": row["shard"], "path": row["path"], "error": row["warning"]}
-                )
-            elapsed = time.perf_counter() - started
-            logger.log(
-                level,
-                f"  [{done}/{len(pending)}] {row['shard']}: {int(row['embedded'])} embedded, "
-                f"{int(row['quarantined'])} quarantined, {float(row['seconds']):.1f}s {status}; "
-                f"{totals['embedded'] / max(elapsed, 1e-9):.0f} pairs/s so far",
-            )
+        _embed_pending(spec, pending, tally, started)
     seconds = time.perf_counter() - started
+    totals = tally.totals
     return {
         "round": spec.round_index,
         "shards": len(shard_paths),
         "shards_skipped": skipped,
-        "shards_failed": failed,
-        "shards_truncated": truncated,
+        "shards_failed": tally.failed,
+        "shards_truncated": tally.truncated,
         "records_read": totals["records"],
         "embedded": totals["embedded"],
         "quarantined": totals["quarantined"],
-        "quarantined_by_reason": dict(sorted(reasons.items())),
-        "ignored_members": dict(sorted(ignored.items())),
+        "quarantined_by_reason": dict(sorted(tally.reasons.items())),
+        "ignored_members": dict(sorted(tally.ignored.items())),
         "short_loss_batches": totals["short_batches"],
         "seconds": seconds,
-        "actor_seconds": actor_seconds,  # summed per-shard busy time: throughput without start-up
+        # Summed per-shard busy time: throughput without start-up.
+        "actor_seconds": tally.actor_seconds,
         "pairs_per_second": totals["embedded"] / seconds if seconds > 0 and pending else None,
     }
