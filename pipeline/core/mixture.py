@@ -108,7 +108,7 @@ class MixtureFit:
     converged: bool  # GMM: stopped on tol; BMM: always False (fixed iteration count, no test)
     collapsed: bool  # BMM collapse guard fired and the previous parameters were kept
     no_spread: bool  # loss range below the floor: no fit, clean probability 1 for everyone
-    monotone: bool  # clean_posterior enforces a non-increasing clean posterior past its peak
+    monotone: bool  # clean_posterior enforces a clean posterior non-increasing in the loss
     log_likelihood: float  # mean per-sample log-likelihood (x units) of the final parameters
     log_likelihood_trace: tuple[float, ...] = field(default=())  # before each M-step + final
 
@@ -410,7 +410,7 @@ def fit_gmm(
     tol: float = 1e-2,
     reg_covar: float = 5e-4,
     *,
-    monotone: bool = False,
+    monotone: bool = True,
     init: tuple[Sequence[float], Sequence[float], Sequence[float]] | None = None,
 ) -> MixtureFit:
     """Binned two-component 1-D Gaussian mixture, sklearn's EM made deterministic
@@ -424,8 +424,9 @@ def fit_gmm(
     Args:
         hist: merged histogram of the whole corpus.
         max_iter, tol, reg_covar: as sklearn's GaussianMixture (NCR: 10, 1e-2, 5e-4).
-        monotone: enforce a non-increasing clean posterior past its peak in `clean_posterior`.
-            Off by default: the NCR/SPS/RCR references use the raw GMM posterior.
+        monotone: enforce a clean posterior non-increasing in the loss in `clean_posterior`.
+            On by default, unlike the NCR/SPS/RCR references' raw GMM posterior: a narrow clean
+            component otherwise calls the lowest losses noisy (docs/methods.md §2.5).
         init: ((mu0, mu1), (var0, var1), (pi0, pi1)) instead of the 2-means start. For tests
             and warm starts.
 
@@ -549,17 +550,21 @@ def _monotone_envelope(
     grid_hi: float,
     peak_limit: float,
 ) -> Callable[[np.ndarray], np.ndarray]:
-    """Clean posterior made non-increasing in x from its peak onwards (docs/methods.md §2.5).
+    """Clean posterior made non-increasing in x over the whole range (docs/methods.md §2.5).
 
     The posterior is evaluated on a grid of MONOTONE_GRID points; its peak j* is searched at or
     below `peak_limit` (the noisy component's mean), so a Beta tail that lifts the clean
-    posterior towards 1 at the highest losses (b_clean < 1, the failure the fix targets) cannot
-    pose as the peak. Past j* the grid values get a running minimum, env. A sample in grid cell
-    [g_j, g_j+1) with j >= j* gets its exact posterior clipped into [env_j+1, env_j]: exact
-    wherever the posterior is already non-increasing, and non-increasing overall because a
-    two-component posterior has at most one turning point (its log-ratio is u*log x +
-    v*log(1-x) + w for Betas, a quadratic for Gaussians), so no cell holds a rise between two
-    falls. Samples below the peak keep their exact value.
+    posterior towards 1 at the highest losses (b_clean < 1) cannot pose as the peak.
+    - Past j* the grid values get a running minimum, env. A sample in grid cell [g_j, g_j+1)
+      with j >= j* gets its exact posterior clipped into [env_j+1, env_j]: exact wherever the
+      posterior is already non-increasing, and non-increasing overall because a two-component
+      posterior has at most one turning point (its log-ratio is u*log x + v*log(1-x) + w for
+      Betas, a quadratic for Gaussians), so no cell holds a rise between two falls.
+    - Below j* the posterior rises towards the peak when the clean component is narrower than
+      the noisy one: a loss far below the clean mean is "unlikely clean" only because the clean
+      Gaussian's tail falls faster than the noisy one's. Those samples (exact duplicates, text
+      rendered in the image: the most certain pairs of a web corpus) get the peak value, so no
+      lower loss is ever less clean than a higher one.
     """
     grid = np.linspace(grid_lo, grid_hi, MONOTONE_GRID)
     values = posterior(grid)
@@ -574,7 +579,7 @@ def _monotone_envelope(
         cell = np.clip(np.floor((x - grid_lo) / step).astype(np.int64), 0, MONOTONE_GRID - 2)
         exact = posterior(x)
         clipped = np.clip(exact, envelope[cell + 1], envelope[cell])
-        return np.where(cell >= peak, clipped, exact)
+        return np.where(cell >= peak, clipped, np.maximum(exact, values[peak]))
 
     return monotone
 
@@ -587,8 +592,9 @@ def clean_posterior(
     Raw losses are normalised with the fit's (lo, hi); BMM clamps x to [1e-4, 1 - 1e-4] like
     its fit, so the minimum loss is no longer NaN (docs/methods.md §2.5); its posterior keeps the
     reference's 1e-12 in the denominator. GMM uses log-densities and logaddexp like sklearn's
-    `predict_proba`. With the monotone fix on (BMM default), see `_monotone_envelope`; GMM
-    then clamps x to [0, 1] so samples outside the fitted range get the value at its edge.
+    `predict_proba`. With the monotone fix on (the default of both fits), see
+    `_monotone_envelope`; GMM then clamps x to [0, 1] so samples outside the fitted range get
+    the value at its edge.
 
     Args:
         fit: result of `fit_bmm` / `fit_gmm`.
