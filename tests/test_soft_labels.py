@@ -478,13 +478,18 @@ def test_sps_in_memory_proxies_and_empty_reliable_set(blobs):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_cosine_labels_keep_the_auroc(blobs):
+def test_cosine_labels_are_the_clipped_cosine(blobs):
+    """The CLIP-score weight: the cosine itself where positive, 0 below (not (1 + cos) / 2,
+    which weighs every pair 0.5-0.75)."""
     u, v, is_noisy, _, _ = blobs
     labels = cosine_labels(u, v)
-    assert labels.dtype == np.float32 and np.all((labels >= 0) & (labels <= 1))
     raw = (u.astype(np.float64) * v).sum(axis=1)
-    assert roc_auc_score(~is_noisy, labels) == pytest.approx(
-        roc_auc_score(~is_noisy, raw), abs=1e-6
+    assert labels.dtype == np.float32
+    np.testing.assert_allclose(labels, np.maximum(raw, 0.0), atol=1e-6)
+    assert (raw < 0).any() and np.all(labels[raw < 0] == 0)
+    positive = raw > 0  # the ranking of positive cosines is kept
+    assert roc_auc_score(~is_noisy[positive], labels[positive]) == pytest.approx(
+        roc_auc_score(~is_noisy[positive], raw[positive]), abs=1e-6
     )
 
 

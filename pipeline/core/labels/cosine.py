@@ -1,4 +1,4 @@
-"""The CLIP-score baseline: the pair's own image-text cosine as its label (docs/methods.md §8).
+"""The CLIP-score baseline: the pair's own clipped image-text cosine as its label (docs/methods.md §8).
 
 Pure module: numpy. The partition is the clean split of the configured mixture (reported in
 `subset`); the label ignores it.
@@ -17,11 +17,12 @@ __all__ = ["cosine_labels", "decide", "index_role", "label_shard"]
 
 
 def cosine_labels(u: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """CLIP-score baseline: (1 + cos(u_i, v_i)) / 2, a strictly monotone map onto [0, 1].
+    """CLIP-score baseline: the clipped cosine max(cos(u_i, v_i), 0), the label and the weight
+    a CLIP-score user trains with.
 
-    Affine, so AUROC and Spearman equal those of the raw cosine (up to float32 ties); clipping
-    at 0 instead would tie every negative cosine and change the AUROC. Not calibrated: CLIP
-    cosines of 0.2-0.4 map to 0.6-0.7.
+    Negative cosines tie at 0; the label table's `cosine` column keeps the raw cosine for
+    ranking. ((1 + cos) / 2 would keep the ranking but weigh every pair 0.5-0.75: close to
+    vanilla training, a straw man of the baseline.)
 
     Args:
         u, v: (N, D) float32 L2-normalised embeddings.
@@ -29,7 +30,7 @@ def cosine_labels(u: np.ndarray, v: np.ndarray) -> np.ndarray:
     Returns:
         (N,) float32 in [0, 1].
     """
-    return np.clip(0.5 * (1.0 + _rowdot(u, v)), 0.0, 1.0).astype(np.float32)
+    return np.clip(_rowdot(u, v), 0.0, 1.0).astype(np.float32)
 
 
 def decide(
