@@ -112,6 +112,11 @@ class BicroLabelsConfig(_Section):
     anchors: Literal["global", "in_batch"] = Field(
         "global", description="Anchors from the whole clean set (FAISS) or per batch (reference)."
     )
+    label: Literal["step", "fused"] = Field(
+        "step",
+        description="step: BiCro's label (clean floor + consistency, theta cut); fused: "
+        "p + (1 - p) * consistency, published uncut (theta cuts training weights only).",
+    )
     batch_size: int = Field(
         128, ge=2, description="in_batch anchors: batch size within each shard (reference: 128)."
     )

@@ -551,3 +551,37 @@ def test_a_new_method_is_one_module_and_one_entry(monkeypatch, blobs):
     expected = np.where(np.isfinite(prob), prob, 0.0)
     np.testing.assert_array_equal(out.labels.soft_label, expected)
     assert out.labels.subset[3] == NOISY and out.partition["clean_split"]["n_invalid"] == 1
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    p=st.lists(st.floats(0, 1), min_size=2, max_size=50),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_fused_label_grows_with_posterior_and_consistency(p, seed):
+    from pipeline.core.labels.bicro import fused_labels
+
+    rng = np.random.default_rng(seed)
+    p = np.array(p)
+    r1, r2 = rng.uniform(0, 1, p.size), rng.uniform(0, 1, p.size)
+    anchor = rng.random(p.size) < 0.2
+    y = fused_labels(p, r1, r2, anchor)
+    assert y.dtype == np.float32 and np.all((y >= 0) & (y <= 1))
+    assert np.all(y[anchor] == 1)
+    assert np.all(y >= np.float32(p) - 1e-6)  # never below the posterior
+    assert np.all(fused_labels(np.minimum(p + 0.1, 1), r1, r2, anchor) >= y - 1e-6)
+    assert np.all(fused_labels(p, np.minimum(r1 + 0.1, 1), r2, anchor) >= y - 1e-6)
+
+
+def test_fused_bicro_keeps_the_ranking_uncut(blobs):
+    u, v, is_noisy, loss, _ = blobs
+    prob = np.clip(1.5 - loss, 0, 1).astype(np.float32)  # a graded posterior
+    step = label_in_memory("bicro", BicroLabelsConfig(), u=u, v=v, loss=loss, prob=prob)
+    fused = label_in_memory(
+        "bicro", BicroLabelsConfig(label="fused"), u=u, v=v, loss=loss, prob=prob
+    )
+    y = fused.labels.soft_label
+    assert np.any((y > 0) & (y <= 0.5))  # no theta cut on the published label
+    assert np.all(y >= prob - 1e-6)  # never below the posterior
+    assert roc_auc_score(~is_noisy, y) >= roc_auc_score(~is_noisy, step.labels.soft_label) - 0.01
+    np.testing.assert_array_equal(fused.labels.scores["bicro"], y)

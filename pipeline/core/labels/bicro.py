@@ -36,6 +36,7 @@ __all__ = [
     "bicro_labels",
     "decide",
     "fold",
+    "fused_labels",
     "index_role",
     "label_shard",
     "quality_scores",
@@ -289,22 +290,52 @@ def _global_anchor_labels(inputs: ShardInputs, neighbours: NeighbourSearch, para
         ratio=params.ratio,
     )
     no_anchor = (image_nn < 0) & ~masks.anchor  # empty anchor set: nothing to compare with
-    raw = np.where(no_anchor, 0.0, labels["bicro"]).astype(np.float32)
-    star = np.where(no_anchor, 0.0, labels["bicro_star"]).astype(np.float32)
+    out = _shard_labels(inputs, labels, no_anchor, params)
+    out.image_anchor_key, out.text_anchor_key = by_image["keys"], by_text["keys"]
+    return out
+
+
+def fused_labels(
+    prob: np.ndarray, r_i2t: np.ndarray, r_t2i: np.ndarray, is_anchor: np.ndarray
+) -> np.ndarray:
+    """The fused label y = p + (1 - p) c (the NCR/CREAM form; docs/methods.md §5.4): the clean
+    posterior p raised by the consistency c = (r_i2t + r_t2i) / 2; anchors 1.
+
+    Unlike the step label (clean_floor + ..., or c for noisy pairs) it keeps the ranking of both
+    evidences: a pair's label grows with its posterior and with its consistency.
+
+    Returns:
+        (N,) float32 in [0, 1] (NaN consistency, i.e. no anchor to compare with, counts as 0).
+    """
+    p = np.clip(np.nan_to_num(np.asarray(prob, np.float64), nan=0.0), 0.0, 1.0)
+    c = np.nan_to_num(0.5 * (np.asarray(r_i2t, np.float64) + r_t2i), nan=0.0)
+    fused = np.where(np.asarray(is_anchor, bool), 1.0, p + (1.0 - p) * np.clip(c, 0.0, 1.0))
+    return np.clip(fused, 0.0, 1.0).astype(np.float32)
+
+
+def _shard_labels(inputs: ShardInputs, labels: dict, no_anchor: np.ndarray, params) -> ShardLabels:
+    """The shard's labels in the configured form (`params.label`): the step label and its
+    BiCro* cut, or the fused label, published uncut (the cut applies to training weights)."""
+    masks = inputs.masks
+    if params.label == "fused":
+        r_i2t = np.where(no_anchor, np.nan, labels["r_i2t"])
+        soft = fused_labels(inputs.scalars.prob, r_i2t, labels["r_t2i"], masks.anchor)
+        raw = soft
+    else:
+        raw = np.where(no_anchor, 0.0, np.nan_to_num(labels["bicro"], nan=0.0))
+        soft = np.where(no_anchor, 0.0, np.nan_to_num(labels["bicro_star"], nan=0.0))
     return ShardLabels(
-        soft_label=star,
+        soft_label=np.asarray(soft, np.float32),
         subset=np.where(masks.clean, CLEAN, NOISY).astype(np.int8),
-        scores={"bicro": raw},
-        image_anchor_key=by_image["keys"],
-        text_anchor_key=by_text["keys"],
+        scores={"bicro": np.asarray(raw, np.float32)},
     )
 
 
 def _in_batch_labels(inputs: ShardInputs, params) -> ShardLabels:
     u, v, masks, scalars = inputs.u, inputs.v, inputs.masks, inputs.scalars
     n = u.shape[0]
-    raw = np.zeros(n, dtype=np.float32)
-    star = np.zeros(n, dtype=np.float32)
+    nothing = np.full(n, np.nan, dtype=np.float32)
+    labels = {"bicro": nothing, "bicro_star": nothing, "r_i2t": nothing, "r_t2i": nothing}
     anchor = np.zeros(n, dtype=bool)
     if masks.clean.any():
         labels = bicro_in_batch_anchors(
@@ -319,13 +350,9 @@ def _in_batch_labels(inputs: ShardInputs, params) -> ShardLabels:
             theta=params.theta,
             ratio=params.ratio,
         )
-        raw, star, anchor = labels["bicro"], labels["bicro_star"], labels["is_anchor"]
+        anchor = labels["is_anchor"]
     masks.anchor = anchor  # the shard's own anchors, counted in the pass summary
-    return ShardLabels(
-        soft_label=np.nan_to_num(star, nan=0.0).astype(np.float32),
-        subset=np.where(masks.clean, CLEAN, NOISY).astype(np.int8),
-        scores={"bicro": np.nan_to_num(raw, nan=0.0).astype(np.float32)},
-    )
+    return _shard_labels(inputs, labels, np.zeros(n, dtype=bool), params)
 
 
 def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch | None, params) -> ShardLabels:
