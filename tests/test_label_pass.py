@@ -139,7 +139,7 @@ def test_ray_pass_equals_the_in_memory_back_end(blob_run, blob_labels, method):
         u=u,
         v=v,
         loss=loss,
-        prob=clean_posterior(fits["bmm"], loss),
+        prob=clean_posterior(fits[spec.mixture_kind], loss),
         loss_i2t=i2t,
         loss_t2i=t2i,
         alpha_i2t=clean_posterior(fits["gmm_i2t"], i2t),
@@ -170,6 +170,10 @@ def _unit16(x: np.ndarray) -> np.ndarray:
 def test_sps_proxies_and_anchor_keys(blob_run, blob_labels):
     spec = blob_labels["sps"]["spec"]
     table = _table(spec.out_dir)
+    # SPS partitions with the GMM (its paper and code), whatever mixture.kind says (bmm here).
+    assert spec.mixture.kind == "bmm" and blob_labels["sps"]["summary"]["mixture_kind"] == "gmm"
+    gmm = clean_posterior(_fits(blob_run)["gmm"], table.column("loss").to_numpy())
+    np.testing.assert_array_equal(table.column("clean_prob").to_numpy(), gmm)
     subset = np.array(table.column("subset").to_pylist())
     soft = table.column("soft_label").to_numpy()
     prob = table.column("clean_prob").to_numpy()

@@ -62,6 +62,7 @@ LABEL_METHODS: dict[str, LabelMethod] = {
         training_target="sps",
         uses_trainee_view=True,
         proxy_table=True,
+        mixture="gmm",  # the SPS paper and code partition with a GMM (docs/methods.md §7.1)
     ),
     "cosine": LabelMethod(
         name="cosine",

@@ -98,4 +98,5 @@ class LabelMethod:
     direction_posteriors: bool = False  # needs a GMM per InfoNCE direction (RCR)
     uses_trainee_view: bool = False  # labels from the trainee's embeddings (SPS)
     proxy_table: bool = False  # writes a proxies table beside the labels (SPS)
+    mixture: str | None = None  # partitions with this mixture ("gmm"), else the job's kind
     quality_scores: Callable[..., tuple[dict, dict]] = no_quality_scores

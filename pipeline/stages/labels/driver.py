@@ -221,14 +221,14 @@ def _write_mixture(spec: LabelSpec, fits: dict[str, MixtureFit]) -> dict[str, An
         "round": spec.round_index,
         "view": spec.view,
         "loss": spec.labels.loss,
-        "kind": spec.mixture.kind,
+        "kind": spec.mixture_kind,
         "threshold": spec.mixture.threshold,
         "fits": {name: fit.to_dict() for name, fit in fits.items()},
     }
     write_json_atomic(mixture, RunLayout(spec.output).mixture(spec.round_index, spec.view))
-    configured = fits[spec.mixture.kind]
+    configured = fits[spec.mixture_kind]
     logger.info(
-        f"labels: {spec.mixture.kind.upper()} on {spec.labels.loss}: clean mean "
+        f"labels: {spec.mixture_kind.upper()} on {spec.labels.loss}: clean mean "
         f"{_component(configured, 'clean')}, noisy mean {_component(configured, 'noisy')}"
         + (" (no loss spread)" if configured.no_spread else "")
     )
@@ -319,7 +319,7 @@ def _summary(spec, shards, missing, total, results, fits, partition, index_info)
         "trainee_view": spec.labelling_view,
         "method": spec.labels.method,
         "loss": spec.labels.loss,
-        "mixture_kind": spec.mixture.kind,
+        "mixture_kind": spec.mixture_kind,
         "job_hash": spec.job_hash,
         "model_id": None,
         "out_dir": spec.out_dir,

@@ -76,7 +76,7 @@ def _scalars(spec: LabelSpec, table: pa.Table, offset: int) -> ShardScalars:
 
 def add_posteriors(spec: LabelSpec, scalars: ShardScalars, fits: dict[str, MixtureFit]) -> None:
     """The configured mixture's clean posterior (and RCR's per-direction ones)."""
-    scalars.prob = clean_posterior(fits[spec.mixture.kind], scalars.loss)
+    scalars.prob = clean_posterior(fits[spec.mixture_kind], scalars.loss)
     if spec.method.direction_posteriors:
         scalars.alpha_i2t = clean_posterior(fits["gmm_i2t"], scalars.loss_i2t)
         scalars.alpha_t2i = clean_posterior(fits["gmm_t2i"], scalars.loss_t2i)

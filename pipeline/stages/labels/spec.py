@@ -61,6 +61,12 @@ class LabelSpec:
         return getattr(self.labels, self.labels.method, None)
 
     @property
+    def mixture_kind(self) -> str:
+        """The mixture whose posterior partitions: the method's own (SPS: the GMM, as its paper)
+        or the job's `mixture.kind`."""
+        return self.method.mixture or self.mixture.kind
+
+    @property
     def labelling_view(self) -> str:
         """The view whose embeddings and losses make the labels (SPS: the trainee's)."""
         if self.method.uses_trainee_view and self.trainee_view:
