@@ -264,8 +264,15 @@ class EvalConfig(_Section):
     ground_truth: str | None = Field(
         None, description="ground_truth.parquet for label quality (demo/benchmarks)."
     )
+    val_shards: str | list[str] | None = Field(
+        None,
+        description="Clean validation shards: pick the warm-up length and kept epoch (never "
+        "reported). null = no selection: the warm-up runs train.warmup_epochs, keeps the last.",
+    )
     test_shards: str | list[str] | None = Field(
-        None, description="Clean held-out shards for retrieval recall."
+        None,
+        description="Clean held-out shards for the reported retrieval recall (never used "
+        "to select anything).",
     )
 
 

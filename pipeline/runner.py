@@ -279,13 +279,15 @@ def _train_settings(job: JobConfig, layout: RunLayout, shard_paths: list[str]) -
     from pipeline.runtime import cluster_resources
 
     _, gpus = cluster_resources()
-    test_shards = (
-        expand_shard_patterns(job.eval.test_shards) if job.eval.test_shards is not None else []
-    )
+
+    def held_out(patterns) -> tuple[str, ...]:
+        return tuple(expand_shard_patterns(patterns)) if patterns is not None else ()
+
     return {
         "output": layout.output,
         "shards": tuple(shard_paths),
-        "test_shards": tuple(test_shards),
+        "val_shards": held_out(job.eval.val_shards),
+        "test_shards": held_out(job.eval.test_shards),
         "train": job.train,
         "precision": job.model.precision,
         "use_gpu": gpus > 0,
@@ -338,8 +340,9 @@ def coteach_spec(
     models = round_models(job, checkpoints)
     views = []
     for offset, (name, peer) in enumerate((("A", "b"), ("B", "a"))):
-        labels_dir, proxies_dir, target = None, None, "weights"
+        labels_dir, proxies_dir, target, cut = None, None, "weights", 0.0
         if train.mode == "coteach":
+            cut = method.weight_cut(getattr(job.labels, method.name, None))
             labels_dir, target = layout.labels_round_dir(round_index, peer), method.training_target
             if method.proxy_table:
                 proxies_dir = layout.sps_proxies_dir(round_index, peer)
@@ -353,6 +356,7 @@ def coteach_spec(
                 seed=job.seed + offset + 1000 * round_index,
                 labels_dir=labels_dir,
                 target=target,
+                weight_cut=cut,
                 proxies_dir=proxies_dir,
             )
         )

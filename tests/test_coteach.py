@@ -98,3 +98,19 @@ def test_targets_are_bounded_and_permutation_equivariant(n, seed, method, noisy,
     permuted = training_targets(method, phase, subset[perm], label[perm], proxy[perm])
     np.testing.assert_array_equal(permuted.weight, out.weight[perm])
     np.testing.assert_array_equal(permuted.use_proxy, out.use_proxy[perm])
+
+
+def test_weight_cut_zeroes_labels_at_or_below_it():
+    """BiCro's fused label is published uncut; theta cuts the training weights instead."""
+    label = np.array([0.9, 0.5, 0.3, 0.51, 0.0], dtype=np.float32)
+    subset = np.zeros(5, dtype=np.int8)
+    out = training_targets("bicro", Phase(True, True), subset, label, weight_cut=0.5)
+    np.testing.assert_array_equal(out.weight, np.array([0.9, 0, 0, 0.51, 0], np.float32))
+    uncut = training_targets("bicro", Phase(True, True), subset, label)
+    np.testing.assert_array_equal(uncut.weight, label)
+    from pipeline.config import BicroLabelsConfig
+    from pipeline.core.labels import LABEL_METHODS
+
+    cut = LABEL_METHODS["bicro"].weight_cut
+    assert cut(BicroLabelsConfig(label="fused", theta=0.4)) == 0.4
+    assert cut(BicroLabelsConfig(label="step")) == 0.0  # the step label is already cut

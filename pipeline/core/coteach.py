@@ -88,6 +88,8 @@ def training_targets(
     subset: np.ndarray,
     soft_label: np.ndarray,
     proxy_label: np.ndarray | None = None,
+    *,
+    weight_cut: float = 0.0,
 ) -> TrainingTargets:
     """Training targets of N label-table rows.
 
@@ -97,6 +99,8 @@ def training_targets(
         subset: (N,) int codes CLEAN / QUASI_CLEAN / NOISY (pipeline.core.partition).
         soft_label: (N,) float labels in [0, 1]; NaN counts as 0.
         proxy_label: (N,) SPS y_p of the image's proxy caption (NaN/absent = no proxy); sps only.
+        weight_cut: labels at or below it train with weight 0 (BiCro*'s theta, applied here
+            when the published label is left uncut).
 
     Returns:
         TrainingTargets with float32 weights clipped to [0, 1].
@@ -110,7 +114,7 @@ def training_targets(
         raise ValueError(f"subset must have shape ({n},); got {subset.shape}")
     reliable = np.zeros(n, dtype=bool)
     use_proxy = np.zeros(n, dtype=bool)
-    weight = label.copy()
+    weight = np.where(label > weight_cut, label, 0.0).astype(np.float32) if weight_cut else label
     if target == "bicro" and not phase.noisy:
         weight[subset == NOISY] = 0.0
     elif target == "sps":

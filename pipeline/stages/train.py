@@ -81,6 +81,7 @@ class ViewSpec:
     labels_dir: str | None = None  # label table to join by key; None = every pair weight 1
     label_column: str = "soft_label"
     target: str = "weights"  # how label rows become training targets (core.coteach)
+    weight_cut: float = 0.0  # labels at or below it train with weight 0 (the method's cut)
     proxies_dir: str | None = None  # SPS proxy pairs (key -> proxy caption, y_p)
 
 
@@ -101,7 +102,8 @@ class TrainSpec:
     train: TrainConfig = field(default_factory=TrainConfig)
     precision: str = "fp32"  # the job's model.precision
     decode: DecodeOptions = field(default_factory=DecodeOptions)
-    test_shards: tuple[str, ...] = ()
+    val_shards: tuple[str, ...] = ()  # select the warm-up length and kept epoch (not reported)
+    test_shards: tuple[str, ...] = ()  # the reported retrieval of the final models only
     mode: str = "warmup"  # "warmup" | "labels" (co-teaching on joined label tables)
     max_epochs: int = 1  # train.warmup_epochs or train.epochs_per_round
     use_gpu: bool = False
@@ -179,7 +181,14 @@ def _targets(
     """(weights, reliable flags, proxy captions or None) of the shard's samples, in order."""
     rows = np.array([labels.row[k] for k in keys], dtype=np.int64)
     proxy = labels.proxy_label[rows] if labels.proxy_label is not None else None
-    targets = training_targets(view.target, phase, labels.subset[rows], labels.label[rows], proxy)
+    targets = training_targets(
+        view.target,
+        phase,
+        labels.subset[rows],
+        labels.label[rows],
+        proxy,
+        weight_cut=view.weight_cut,
+    )
     captions: list[str | None] = [None] * len(keys)
     for i in np.flatnonzero(targets.use_proxy):
         captions[i] = labels.proxy_caption[rows[i]]
@@ -497,16 +506,7 @@ def _train_loop(config: dict) -> None:
     else:
         schedule = {"total_steps": steps * spec.max_epochs}
     trainers = [_ViewTrainer(spec, view, device, **schedule) for view in spec.views]
-    eval_set = None
-    if rank == 0 and spec.test_shards:
-        from pipeline.evaluation import load_eval_set
-
-        eval_set = load_eval_set(
-            spec.test_shards,
-            trainers[0].loaded.preprocess,
-            trainers[0].loaded.tokenizer,
-            spec.decode,
-        )
+    val_set = _eval_set(spec, spec.val_shards, trainers[0]) if rank == 0 else None
     injected = 0
     while not all(t.stopped for t in trainers):
         epoch = min(t.epoch for t in trainers if not t.stopped)
@@ -542,17 +542,17 @@ def _train_loop(config: dict) -> None:
                 raise RuntimeError(f"injected failure after {injected} steps (test only)")
         seconds = time.perf_counter() - started
         results = {}
-        if eval_set is not None:
+        if val_set is not None:
             from pipeline.evaluation import evaluate_models
 
-            results = evaluate_models({t.view.name: t.loaded for t in active}, eval_set)
+            results = evaluate_models({t.view.name: t.loaded for t in active}, val_set)
         for t in active:
             epoch_loss = t.epoch_loss_sum / max(t.epoch_batches, 1)
             rsum = results.get(t.view.name, {}).get("rsum")
             record = {
                 "epoch": epoch,
                 "loss": epoch_loss,
-                "rsum": rsum,
+                "val_rsum": rsum,
                 "seconds": seconds,
                 "samples_per_s": seen / max(seconds, 1e-9),
                 "pairs": int(t.epoch_targets["pairs"]),
@@ -584,7 +584,7 @@ def _train_loop(config: dict) -> None:
             t.epoch_targets = dict.fromkeys(TARGET_STATS, 0.0)
             if rank == 0:
                 t.save()
-                shown = f", held-out rSum {rsum:.1f}" if rsum is not None else ""
+                shown = f", validation rSum {rsum:.1f}" if rsum is not None else ""
                 logger.info(
                     f"  round {spec.round_index} {t.view.name} epoch {epoch}: loss "
                     f"{epoch_loss:.3f}{shown}, {record['samples_per_s']:.0f} samples/s"
@@ -592,10 +592,20 @@ def _train_loop(config: dict) -> None:
                 )
         ray.train.report({"epoch": epoch})
     if rank == 0:
-        _finish(spec, trainers, eval_set)
+        _finish(spec, trainers)
 
 
-def _finish(spec: TrainSpec, trainers: list[_ViewTrainer], eval_set) -> None:
+def _eval_set(spec: TrainSpec, shards: tuple[str, ...], trainer: _ViewTrainer):
+    """A held-out split decoded once with the models' preprocessing (None without shards)."""
+    if not shards:
+        return None
+    from pipeline.evaluation import load_eval_set
+
+    loaded = trainer.loaded
+    return load_eval_set(shards, loaded.preprocess, loaded.tokenizer, spec.decode)
+
+
+def _finish(spec: TrainSpec, trainers: list[_ViewTrainer]) -> None:
     """Keep each view's final weights, evaluate them (A, B, A+B) and write the summary last."""
     layout = RunLayout(spec.output)
     summary = {"round": spec.round_index, "mode": spec.mode, "views": {}, "retrieval": None}
@@ -617,11 +627,12 @@ def _finish(spec: TrainSpec, trainers: list[_ViewTrainer], eval_set) -> None:
             "kept_epoch": t.warmup.best_epoch if best is not None else t.epoch,
             "checkpoint": layout.model_checkpoint(spec.round_index, t.view.name),
         }
-    if eval_set is not None:
+    test_set = _eval_set(spec, spec.test_shards, trainers[0])
+    if test_set is not None:
         from pipeline.evaluation import evaluate_models
 
-        summary["retrieval"] = evaluate_models({t.view.name: t.loaded for t in trainers}, eval_set)
-        summary["retrieval_test_pairs"] = eval_set.n_texts
+        summary["retrieval"] = evaluate_models({t.view.name: t.loaded for t in trainers}, test_set)
+        summary["retrieval_test_pairs"] = test_set.n_texts
     write_json_atomic(summary, layout.train_summary(spec.round_index))
 
 

@@ -42,6 +42,7 @@ LABEL_METHODS: dict[str, LabelMethod] = {
         score_columns=("bicro",),
         training_target="bicro",
         quality_scores=bicro.quality_scores,
+        weight_cut=bicro.weight_cut,
     ),
     "rcr": LabelMethod(
         name="rcr",

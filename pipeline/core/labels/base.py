@@ -100,3 +100,5 @@ class LabelMethod:
     proxy_table: bool = False  # writes a proxies table beside the labels (SPS)
     mixture: str | None = None  # partitions with this mixture ("gmm"), else the job's kind
     quality_scores: Callable[..., tuple[dict, dict]] = no_quality_scores
+    # Labels at or below this train with weight 0 (params -> cut; BiCro's fused label: theta).
+    weight_cut: Callable[[Any], float] = lambda params: 0.0

@@ -362,6 +362,11 @@ def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch | None, params)
     return _in_batch_labels(inputs, params)
 
 
+def weight_cut(params) -> float:
+    """The fused label is published uncut; theta then cuts the training weights (BiCro*)."""
+    return params.theta if params.label == "fused" else 0.0
+
+
 def quality_scores(inputs: ShardInputs, labels: ShardLabels, cosine: np.ndarray):
     """The raw label (before the theta cut) as an ablation score."""
     return {"bicro_raw": labels.scores["bicro"]}, {"bicro_raw": labels.subset == CLEAN}

@@ -1,4 +1,5 @@
-"""The CLIP-score baseline: the pair's own clipped image-text cosine as its label (docs/methods.md §8).
+"""The CLIP-score baseline: the pair's own clipped image-text cosine as its label
+(docs/methods.md §8).
 
 Pure module: numpy. The partition is the clean split of the configured mixture (reported in
 `subset`); the label ignores it.
