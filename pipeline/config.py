@@ -227,11 +227,19 @@ class SpsTrainConfig(_Section):
 
 
 class TrainConfig(_Section):
-    mode: Literal["coteach", "vanilla", "oracle"] = Field(
+    mode: Literal["coteach", "vanilla", "cosine_filter", "oracle"] = Field(
         "coteach",
         description="coteach: each model trains on the labels the other estimated; vanilla: "
-        "every pair weight 1 (baseline); oracle: ground-truth clean pairs only (needs "
-        "eval.ground_truth; demo and benchmarks).",
+        "every pair weight 1 (baseline); cosine_filter: the highest-cosine pairs under the "
+        "warmed models only (CLIP-score filtering, the baseline users would pick); oracle: "
+        "ground-truth clean pairs only (needs eval.ground_truth; demo and benchmarks).",
+    )
+    filter_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="cosine_filter: share of pairs kept; null = the clean weight of the "
+        "mixture fitted on the warmed models' losses.",
     )
     label_loss: Literal["weighted_infonce", "soft_margin_triplet"] = Field(
         "weighted_infonce",

@@ -14,6 +14,8 @@ import platform
 from importlib import metadata
 from typing import Any
 
+import numpy as np
+
 from pipeline.config import JobConfig
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import DecodeOptions, expand_shard_patterns, shard_name
@@ -336,6 +338,8 @@ def coteach_spec(
     if train.mode == "oracle":
         embeddings = {shard: layout.embeddings(round_index, shard) for shard in sizes}
         sizes = write_oracle_labels(job.eval.ground_truth, embeddings, oracle_dir)
+    elif train.mode == "cosine_filter":
+        oracle_dir, sizes = _cosine_filter(job, layout, sizes)
     method = get_method(job.labels.method)
     models = round_models(job, checkpoints)
     views = []
@@ -346,7 +350,7 @@ def coteach_spec(
             labels_dir, target = layout.labels_round_dir(round_index, peer), method.training_target
             if method.proxy_table:
                 proxies_dir = layout.sps_proxies_dir(round_index, peer)
-        elif train.mode == "oracle":
+        elif train.mode in ("oracle", "cosine_filter"):
             labels_dir = oracle_dir
         views.append(
             ViewSpec(
@@ -370,6 +374,34 @@ def coteach_spec(
         max_epochs=epochs,
         coteach_epochs=((round_index - 1) * epochs, train.rounds * epochs),
     )
+
+
+def _cosine_filter(job: JobConfig, layout: RunLayout, sizes: dict[str, int]):
+    """train.mode cosine_filter: the pairs kept by the warmed models' cosines (round 1's
+    embeddings), computed once and reused by every round. Returns (folder, kept per shard)."""
+    import pyarrow.parquet as pq
+
+    from pipeline.core.mixture import MixtureFit
+    from pipeline.io.tables import file_exists
+    from pipeline.stages.cosine_filter import write_cosine_filter
+
+    fraction = job.train.filter_fraction
+    if fraction is None:  # the clean share the mixtures found under the warmed models
+        weights = []
+        for view in ("a", "b"):
+            fit = MixtureFit.from_dict(read_json(layout.mixture(1, view))["fits"][job.mixture.kind])
+            weights.append(1.0 if fit.no_spread else fit.weights[fit.clean_component])
+        fraction = float(np.mean(weights))
+    folder = f"{layout.round_dir(1)}/labels_cosine_filter"
+    record = read_json(f"{folder}/_filter.json") or {}
+    if record.get("fraction") == fraction and all(
+        file_exists(f"{folder}/{s}.parquet") for s in sizes
+    ):
+        return folder, {s: pq.read_metadata(f"{folder}/{s}.parquet").num_rows for s in sizes}
+    embeddings = {shard: layout.embeddings(1, shard) for shard in sizes}
+    kept = write_cosine_filter(embeddings, folder, fraction)
+    write_json_atomic({"fraction": fraction, "kept": kept}, f"{folder}/_filter.json")
+    return folder, kept
 
 
 def coteaching_table(job: JobConfig, rounds: dict, published: dict) -> list[dict]:

@@ -1,0 +1,117 @@
+"""CLIP-score filtering, the baseline users would otherwise pick (train.mode: cosine_filter).
+
+Contract:
+- `write_cosine_filter(embeddings, out_dir, fraction)` keeps the `fraction` of the embedded pairs
+  with the highest cosine under the two models (the mean of views a and b: the co-teaching
+  inference rule) and writes, per shard, `out_dir/<shard>.parquet` with the kept keys and
+  soft_label 1 (the trainer then fine-tunes on exactly those pairs, as DataComp's CLIP-score
+  baseline does). Ties are broken by global sample id, so the kept set does not depend on
+  sharding. Returns the kept pairs per shard (the trainer's samples per shard).
+- One Ray task per shard reads its cosines; the cut is found by the distributed radix select
+  of `pipeline.core.select`; only digit histograms and counts reach the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.core.select import at_or_below, order_keys, radix_select, select_round
+from pipeline.io.tables import read_table, write_table_atomic
+
+__all__ = ["FILTER_SCHEMA", "write_cosine_filter"]
+
+logger = logging.getLogger(__name__)
+
+FILTER_SCHEMA = pa.schema(
+    [
+        pa.field("key", pa.string(), nullable=False),
+        pa.field("soft_label", pa.float32(), nullable=False),
+    ],
+    metadata={"ncl.schema": "filter_labels.v0"},
+)
+_OPTIONS = {"num_cpus": 1, "max_retries": 3}
+
+
+def _scores(path: str, offset: int) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """(keys, order keys of -mean cosine: ascending = most similar first, global ids)."""
+    table = read_table(path, ["key", "cosine_a", "cosine_b"])
+    mean = 0.5 * (
+        table.column("cosine_a").to_numpy().astype(np.float32)
+        + table.column("cosine_b").to_numpy().astype(np.float32)
+    )
+    mean = np.where(np.isfinite(mean), mean, np.float32(-2.0))  # never above a real cosine
+    ids = offset + np.arange(table.num_rows, dtype=np.int64)
+    return table.column("key").to_pylist(), order_keys(-mean), ids
+
+
+def _rows_task(path: str) -> int:
+    return read_table(path, ["key"]).num_rows
+
+
+def _select_task(path: str, offset: int, prefix: tuple[int, ...], fetch: bool):
+    _, keys, ids = _scores(path, offset)
+    return select_round(keys, ids, prefix, fetch)
+
+
+def _write_task(path: str, offset: int, cut, out_path: str) -> int:
+    names, keys, ids = _scores(path, offset)
+    kept = at_or_below(keys, ids, cut) if cut is not None else np.zeros(len(names), bool)
+    table = pa.table(
+        [
+            pa.array([n for n, k in zip(names, kept, strict=True) if k], pa.string()),
+            pa.array(np.ones(int(kept.sum()), np.float32), pa.float32()),
+        ],
+        schema=FILTER_SCHEMA,
+    )
+    write_table_atomic(table, out_path, FILTER_SCHEMA)
+    return int(kept.sum())
+
+
+def write_cosine_filter(
+    embeddings: dict[str, str], out_dir: str, fraction: float, fetch_limit: int = 65536
+) -> dict[str, int]:
+    """Keep the top `fraction` of pairs by mean cosine of views a and b.
+
+    Args:
+        embeddings: {shard name: its embeddings table (with cosine_a and cosine_b)}, in order.
+        out_dir: where `<shard>.parquet` (key, soft_label = 1) go.
+        fraction: share of the embedded pairs to keep, in (0, 1].
+
+    Returns:
+        {shard: pairs kept}.
+    """
+    import ray
+
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"the filter keeps a fraction in (0, 1] of the pairs, got {fraction}")
+    shards, paths = list(embeddings), list(embeddings.values())
+    rows = ray.get([ray.remote(_rows_task).options(**_OPTIONS).remote(p) for p in paths])
+    offsets = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64).tolist()
+    total = int(sum(rows))
+    k = min(total, max(1, round(fraction * total))) if total else 0
+    select = ray.remote(_select_task).options(**_OPTIONS)
+
+    def run_round(prefix, fetch):
+        return ray.get(
+            [select.remote(p, o, prefix, fetch) for p, o in zip(paths, offsets, strict=True)]
+        )
+
+    cut = None
+    if k:
+        key, sample, _ = radix_select(run_round, k, total, with_id=True, fetch_limit=fetch_limit)
+        cut = (key, sample)
+    write = ray.remote(_write_task).options(**_OPTIONS)
+    kept = ray.get(
+        [
+            write.remote(p, o, cut, f"{out_dir}/{s}.parquet")
+            for s, p, o in zip(shards, paths, offsets, strict=True)
+        ]
+    )
+    logger.info(
+        f"cosine filter: kept {sum(kept)} of {total} pairs ({fraction:.1%}, highest mean cosine "
+        f"of the two models) -> {out_dir}"
+    )
+    return dict(zip(shards, kept, strict=True))
