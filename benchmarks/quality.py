@@ -20,14 +20,18 @@ which model was used.
     python benchmarks/quality.py                       # random tiny model, ~3 min on 2 CPUs
     python benchmarks/quality.py --warmup-epochs 6     # warm-up first
 
-Co-teaching (`--coteach`, BENCHMARKS.md "Co-teaching"): per noise level, the full job
-(warm-up, `--rounds` rounds of `--epochs-per-round`, held-out test split) three times with the
-same trainer and schedule: train.mode coteach (the configured method), vanilla (every pair
-weight 1) and oracle (ground-truth clean pairs only). The three share one warm-up (copied). Per
-round: each view's label AUROC/Spearman; per mode: held-out rSum of A, B and A+B; ratios
-coteach/vanilla (bar >= 1.5 at 40 %) and coteach/oracle (bar >= 0.9).
+Co-teaching (`--coteach`): per noise level, the corpus `make demo` writes (at that noise) and
+jobs/demo.yaml with only paths and the compared settings overridden, once per train.mode in
+`--modes` (default coteach, vanilla, cosine_filter, oracle): the same trainer, data path and
+schedule, one shared warm-up (selected on the validation split; rSum reported on the test
+split). `--repeats N` repeats with seeds seed..seed+N-1 and reports medians. Per round: each
+view's label AUROC/Spearman; per mode: held-out rSum of A, B and A+B, the published labels'
+AUROC and the final models' own cosine AUROC; ratios of coteach to every baseline (bars at 40 %:
+>= 1.5 vanilla, >= 1.1 cosine_filter, >= 0.9 oracle).
 
-    python benchmarks/quality.py --coteach --noise 0.4 --method bicro   # ~25 min on 2 CPUs
+    python benchmarks/quality.py --coteach --noise 0.4                 # ~30 min on 2 CPUs
+    python benchmarks/quality.py --coteach --noise 0.4 --modes coteach \
+        --set labels.bicro.label=fused                                  # an ablation, ~10 min
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from dataclasses import replace
@@ -52,11 +57,14 @@ import pyarrow.parquet as pq  # noqa: E402
 import yaml  # noqa: E402
 
 from pipeline.config import load_job  # noqa: E402
+from pipeline.core.labels import LABEL_METHODS  # noqa: E402
 from pipeline.data.synthetic import make_corpus  # noqa: E402
 from pipeline.io.layout import RunLayout  # noqa: E402
 from pipeline.labels import read_labels  # noqa: E402
 from pipeline.runner import resolve_inputs, run_job  # noqa: E402
 from pipeline.stages.labels import LabelSpec, run_label_pass  # noqa: E402
+
+DEMO_CORRUPT = 0.005  # as `make demo` (Makefile): a few undecodable samples on purpose
 
 QUALITY_KEYS = ("auroc", "spearman", "precision", "recall", "f1")
 
@@ -235,80 +243,117 @@ def _share_warmup(source: str, target: str) -> None:
     shutil.copy(Path(source, "manifest.json"), Path(target, "manifest.json"))
 
 
-def run_coteaching(noise: float, args, workdir: Path) -> None:
-    folder = workdir / f"coteach_{int(noise * 100)}"
-    corpus, shards, corpus_info = _corpus(folder, args, noise, args.seed, args.test_samples)
-    demo = yaml.safe_load(Path("jobs/demo.yaml").read_text())
-    train = {
-        **demo["train"],
-        "rounds": args.rounds,
-        "epochs_per_round": args.epochs_per_round,
-        "warmup_epochs": args.warmup_epochs or demo["train"]["warmup_epochs"],
+def _demo_corpus(folder: Path, args, noise: float):
+    """The corpus `make demo` writes (same generator arguments), at `noise`."""
+    corpus = folder / "corpus"
+    summary = make_corpus(
+        corpus,
+        samples=args.samples,
+        noise=noise,
+        partial=args.partial,
+        seed=args.seed,
+        samples_per_shard=args.samples_per_shard,
+        test_samples=args.test_samples,
+        val_samples=args.test_samples,
+        corrupt=DEMO_CORRUPT,
+    )
+    return corpus, summary
+
+
+def _demo_job(corpus: Path, summary, output: Path, mode: str, seed: int, args):
+    """jobs/demo.yaml with only paths and the compared settings overridden: exactly what
+    `ncl-pipeline run jobs/demo.yaml --set ...` runs, so the benchmark and a user's run
+    measure one comparison."""
+    last = len(summary.shards) - 1
+    overrides = {
+        "input.shards": f"{corpus}/{{00000..{last:05d}}}.tar",
+        "output": str(output),
+        "eval.ground_truth": str(corpus / "ground_truth.parquet"),
+        "eval.test_shards": str(summary.test_shards[0]),
+        "eval.val_shards": str(summary.val_shards[0]),
+        "train.mode": mode,
+        "train.rounds": args.rounds,
+        "train.epochs_per_round": args.epochs_per_round,
+        "seed": seed,
     }
-    results = {}
-    first_output = None
-    for mode in args.modes:
-        run_folder = folder / mode
-        run_folder.mkdir(parents=True, exist_ok=True)
-        job = load_job(
-            _job(
-                run_folder,
-                corpus,
-                shards,
-                None,
-                train={**train, "mode": mode},
-                labels={"method": args.method},
-                mixture={"kind": args.mixture},
-                eval={"test_shards": str(corpus_info.test_shards[0])},
-                ray={"num_cpus": args.num_cpus},
-            )
-        )
-        if first_output is not None:
-            _share_warmup(first_output, job.output)
-        started = time.perf_counter()
-        metrics = run_job(job)
-        first_output = first_output or job.output
-        table = metrics["coteaching"]
-        results[mode] = table[-1]
-        for row in table:
+    if args.method:
+        overrides["labels.method"] = args.method
+    if args.mixture:
+        overrides["mixture.kind"] = args.mixture
+    if args.warmup_epochs:
+        overrides["train.warmup_epochs"] = args.warmup_epochs
+    if args.num_cpus:
+        overrides["ray.num_cpus"] = args.num_cpus
+    overrides.update(dict(item.split("=", 1) for item in args.set))
+    return load_job("jobs/demo.yaml", [f"{k}={v}" for k, v in overrides.items()])
+
+
+def run_coteaching(noise: float, args, workdir: Path) -> None:
+    """Per repeat (seed): the demo job in every mode, sharing one warm-up (deterministic on CPU,
+    so each mode's own warm-up would be identical); medians over the repeats."""
+    folder = workdir / f"coteach_{int(noise * 100)}"
+    corpus, summary = _demo_corpus(folder, args, noise)
+    final: dict[str, list[float]] = {mode: [] for mode in args.modes}
+    for repeat in range(args.repeats):
+        seed = args.seed + repeat
+        warm = None
+        for mode in args.modes:
+            job = _demo_job(corpus, summary, folder / f"seed{seed}" / mode, mode, seed, args)
+            if warm is not None:
+                _share_warmup(warm, job.output)
+            started = time.perf_counter()
+            metrics = run_job(job)
+            warm = warm or job.output
+            table = metrics["coteaching"]
+            for row in table:
+                emit("coteach_round", noise=noise, mode=mode, seed=seed, **_settings(job), **row)
+            final[mode].append(table[-1]["rsum_A+B"])
             emit(
-                "coteach_round",
+                "coteach_run",
                 noise=noise,
                 mode=mode,
-                method=args.method,
-                mixture=args.mixture,
-                **row,
+                seed=seed,
+                **_settings(job),
+                published_auroc=table[-1].get("auroc_combined"),
+                published_spearman=table[-1].get("spearman_combined"),
+                final_cosine_auroc=_final_cosine_auroc(metrics),
+                rsum_ab=table[-1]["rsum_A+B"],
+                seconds=time.perf_counter() - started,
             )
-        emit(
-            "coteach_run",
-            noise=noise,
-            mode=mode,
-            method=args.method,
-            rounds=args.rounds,
-            epochs_per_round=args.epochs_per_round,
-            published_auroc=table[-1].get("auroc_combined"),
-            rsum_ab=table[-1]["rsum_A+B"],
-            seconds=time.perf_counter() - started,
-        )
+    medians = {mode: statistics.median(values) for mode, values in final.items() if values}
 
     def ratio(a, b):
         return a / b if a is not None and b else None
 
-    final = {mode: row["rsum_A+B"] for mode, row in results.items()}
-    if set(final) != {"coteach", "vanilla", "oracle"}:
-        return
+    coteach = medians.get("coteach")
     emit(
         "coteach_vs_baselines",
         noise=noise,
-        method=args.method,
-        mixture=args.mixture,
-        rsum_coteach=final["coteach"],
-        rsum_vanilla=final["vanilla"],
-        rsum_oracle=final["oracle"],
-        coteach_over_vanilla=ratio(final["coteach"], final["vanilla"]),
-        coteach_over_oracle=ratio(final["coteach"], final["oracle"]),
-        bars="coteach/vanilla >= 1.5, coteach/oracle >= 0.9 at 40 % noise",
+        repeats=args.repeats,
+        **{f"rsum_{mode}": value for mode, value in medians.items()},
+        **{
+            f"coteach_over_{mode}": ratio(coteach, value)
+            for mode, value in medians.items()
+            if mode != "coteach"
+        },
+        bars="at 40 %: coteach/vanilla >= 1.5, /cosine_filter >= 1.1, /oracle >= 0.9",
     )
+
+
+def _settings(job) -> dict:
+    return {
+        "method": job.labels.method,
+        "mixture": job.mixture.kind,
+        "bicro_label": job.labels.bicro.label,
+        "rounds": job.train.rounds,
+        "epochs_per_round": job.train.epochs_per_round,
+    }
+
+
+def _final_cosine_auroc(metrics: dict) -> float | None:
+    """AUROC of the final models' own averaged cosine (the published labels must beat it)."""
+    quality = (metrics.get("labels") or {}).get("quality") or {}
+    return (quality.get("cosine") or {}).get("auroc")
 
 
 def main() -> None:
@@ -327,10 +372,19 @@ def main() -> None:
     )
     parser.add_argument("--workdir", default=None, help="keep corpora and runs here")
     parser.add_argument("--coteach", action="store_true", help="co-teaching vs vanilla/oracle")
-    parser.add_argument("--method", default="bicro", choices=["bicro", "rcr", "sps", "cosine"])
-    parser.add_argument("--mixture", default="bmm", choices=["bmm", "gmm"], help="--coteach")
     parser.add_argument(
-        "--modes", nargs="+", default=["coteach", "vanilla", "oracle"], help="--coteach"
+        "--method", default=None, choices=sorted(LABEL_METHODS), help="default: the demo job's"
+    )
+    parser.add_argument("--mixture", default=None, choices=["bmm", "gmm"], help="--coteach")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["coteach", "vanilla", "cosine_filter", "oracle"],
+        help="--coteach: train.mode values, run in this order (the first one warms up)",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="--coteach: seeds; medians")
+    parser.add_argument(
+        "--set", action="append", default=[], help="--coteach: extra job overrides key=value"
     )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--epochs-per-round", type=int, default=2)
