@@ -99,6 +99,46 @@ def _check_resume(job: JobConfig, layout: RunLayout) -> dict:
     return manifest
 
 
+class _RunRecord:
+    """metrics.json and manifest.json of one run, written after every stage."""
+
+    def __init__(self, job: JobConfig, layout: RunLayout, manifest: dict) -> None:
+        self.layout = layout
+        self.manifest = manifest
+        manifest.update(
+            {
+                "job_name": job.name,
+                "job_hash": job.stage_hash(),
+                "job": job.model_dump(mode="json"),
+                "versions": _versions(),
+                "stage_hashes": {"embed": job.stage_hash(*EMBED_SECTIONS)},
+            }
+        )
+        manifest.setdefault("stages", {})
+        logger.debug(f"versions: {manifest['versions']}")
+        write_json_atomic(manifest, layout.manifest)
+        self.metrics = read_json(layout.metrics) or {}
+        self.rounds = self.metrics.setdefault("rounds", {})
+        self.metrics["outputs"] = {
+            "embeddings": layout.embeddings_dir(0),
+            "quarantine": layout.quarantine_dir,
+            "labels": layout.labels_dir,
+            "manifest": layout.manifest,
+        }
+
+    def record(self, stage: str, round_index: int, key: str, value) -> None:
+        self.rounds.setdefault(str(round_index), {})[key] = value
+        write_json_atomic(self.metrics, self.layout.metrics)
+        self.manifest["stages"][f"round{round_index}/{stage}"] = {
+            "complete": True,
+            "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+        }
+        write_json_atomic(self.manifest, self.layout.manifest)
+
+    def write_metrics(self) -> None:
+        write_json_atomic(self.metrics, self.layout.metrics)
+
+
 def run_job(job: JobConfig) -> dict:
     """Run the pipeline for `job` on Ray and return the metrics written to metrics.json.
 
@@ -126,85 +166,68 @@ def run_job(job: JobConfig) -> dict:
         f"ncl-pipeline: job '{job.name}', {len(shard_paths)} shards, {where}, "
         f"output {layout.output}"
     )
-    manifest.update(
-        {
-            "job_name": job.name,
-            "job_hash": job.stage_hash(),
-            "job": job.model_dump(mode="json"),
-            "versions": _versions(),
-            "stage_hashes": {"embed": job.stage_hash(*EMBED_SECTIONS)},
-        }
-    )
-    manifest.setdefault("stages", {})
-    logger.debug(f"versions: {manifest['versions']}")
-    write_json_atomic(manifest, layout.manifest)
-
-    metrics = read_json(layout.metrics) or {}
-    rounds = metrics.setdefault("rounds", {})
-    metrics["outputs"] = {
-        "embeddings": layout.embeddings_dir(0),
-        "quarantine": layout.quarantine_dir,
-        "labels": layout.labels_dir,
-        "manifest": layout.manifest,
-    }
-
-    def record(stage: str, round_index: int, key: str, value) -> None:
-        rounds.setdefault(str(round_index), {})[key] = value
-        write_json_atomic(metrics, layout.metrics)
-        manifest["stages"][f"round{round_index}/{stage}"] = {
-            "complete": True,
-            "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-        }
-        write_json_atomic(manifest, layout.manifest)
+    run = _RunRecord(job, layout, manifest)
 
     # 1. Embed every pair with the initial model; this pass also records the quarantine.
     embed = _embed(job, layout, shard_paths, 0, views)
-    record("embed", 0, "embed", embed)
+    run.record("embed", 0, "embed", embed)
     _log_summary(embed, layout)
-
     # 2. Warm up models A and B (round 0 training).
-    from pipeline.stages.labels import LabelSpec, run_label_pass
-    from pipeline.stages.publish import publish_labels
+    checkpoints = _warm_up(job, layout, shard_paths, run)
+    # 3. Co-teaching rounds, then the final round's labels, published (4).
+    last = _coteach_rounds(job, layout, shard_paths, run, checkpoints)
+    _publish(job, layout, shard_paths, run, last)
+    # 5. The HTML report (loss histogram with fits, label histograms, galleries).
+    from pipeline.report import write_report
+
+    logger.info(f"report: {write_report(layout.output)}")
+    return run.metrics
+
+
+def _warm_up(job: JobConfig, layout: RunLayout, shard_paths: list[str], run: _RunRecord):
+    """Round 0 training; returns the checkpoints of A and B (none without a warm-up)."""
     from pipeline.stages.train import run_training
 
-    checkpoints: dict[str, str] = {}
-    if job.train.warmup_epochs > 0:
-        warmup = run_training(warmup_spec(job, layout, shard_paths))
-        record("warmup", 0, "train", warmup)
-        rounds["0"]["retrieval"] = warmup.get("retrieval")
-        _log_warmup(warmup)
-        checkpoints = {view: info["checkpoint"] for view, info in warmup["views"].items()}
+    if job.train.warmup_epochs <= 0:
+        return {}
+    warmup = run_training(warmup_spec(job, layout, shard_paths))
+    run.record("warmup", 0, "train", warmup)
+    run.rounds["0"]["retrieval"] = warmup.get("retrieval")
+    _log_warmup(warmup)
+    return {view: info["checkpoint"] for view, info in warmup["views"].items()}
 
-    # 3. Co-teaching. Round r embeds with the models of round r-1 (both views in one pass),
-    #    labels each view, then trains B on A's labels and A on B's. The extra last round only
-    #    embeds and labels: its labels come from the final models and are published.
+
+def _coteach_rounds(job, layout, shard_paths, run: _RunRecord, checkpoints: dict) -> int:
+    """Round r embeds with the models of round r-1 (both views in one pass), labels each view,
+    then trains B on A's labels and A on B's. The extra last round only embeds and labels: its
+    labels come from the final models and are published. Returns that last round."""
+    from pipeline.stages.labels import LabelSpec, run_label_pass
+    from pipeline.stages.train import run_training
+
     last = job.train.rounds + 1
     for round_index in range(1, last + 1):
-        record(
-            "embed",
-            round_index,
-            "embed",
-            _embed(job, layout, shard_paths, round_index, round_models(job, checkpoints)),
-        )
+        embedded = _embed(job, layout, shard_paths, round_index, round_models(job, checkpoints))
+        run.record("embed", round_index, "embed", embedded)
         for view, trainee in (("a", "b"), ("b", "a")):
             spec = LabelSpec.from_job(
-                job,
-                round_index=round_index,
-                view=view,
-                shard_paths=shard_paths,
+                job, round_index=round_index, view=view, shard_paths=shard_paths,
                 trainee_view=trainee,
-            )
-            summary = run_label_pass(spec)
-            record(f"labels_{view}", round_index, f"labels_{view}", summary)
+            )  # fmt: skip
+            run.record(f"labels_{view}", round_index, f"labels_{view}", run_label_pass(spec))
         if round_index == last:
             break
         trained = run_training(coteach_spec(job, layout, shard_paths, round_index, checkpoints))
-        record("train", round_index, "train", trained)
-        rounds[str(round_index)]["retrieval"] = trained.get("retrieval")
+        run.record("train", round_index, "train", trained)
+        run.rounds[str(round_index)]["retrieval"] = trained.get("retrieval")
         checkpoints = {view: info["checkpoint"] for view, info in trained["views"].items()}
         _log_round(trained)
+    return last
 
-    # 4. The final labels/: the last round's two views combined (mean).
+
+def _publish(job, layout, shard_paths, run: _RunRecord, last: int) -> None:
+    """The final labels/: the last round's two views combined (mean)."""
+    from pipeline.stages.publish import publish_labels
+
     embedded = _shard_sizes(layout, last, shard_paths)
     published = publish_labels(
         {view: layout.labels_round_dir(last, view) for view in ("a", "b")},
@@ -214,17 +237,11 @@ def run_job(job: JobConfig) -> dict:
         job_hash=job.stage_hash(),
         ground_truth=job.eval.ground_truth,
     )
-    metrics["labels"] = published
-    metrics["coteaching"] = coteaching_table(job, rounds, published)
-    write_json_atomic(metrics, layout.metrics)
-    _log_coteaching(metrics["coteaching"], job)
+    run.metrics["labels"] = published
+    run.metrics["coteaching"] = coteaching_table(job, run.rounds, published)
+    run.write_metrics()
+    _log_coteaching(run.metrics["coteaching"], job)
     logger.info(f"labels: {layout.labels_dir}/ (read with pipeline.read_labels('{layout.output}'))")
-
-    # 5. The HTML report (loss histogram with fits, label histograms, lowest-labelled gallery).
-    from pipeline.report import write_report
-
-    logger.info(f"report: {write_report(layout.output)}")
-    return metrics
 
 
 def _embed(

@@ -545,3 +545,10 @@ def test_abandoning_the_iterator_closes_the_shard(tmp_path):
     next(iterator)
     iterator.close()  # must not raise, and must release the file
     assert os.path.exists(path)
+
+
+def test_stepped_brace_ranges_stop_at_the_end_point():
+    """As bash: a step never carries the range past its end point."""
+    assert _expand_braces("{0..20..3}") == ["0", "3", "6", "9", "12", "15", "18"]
+    assert _expand_braces("{20..0..3}") == ["20", "17", "14", "11", "8", "5", "2"]
+    assert _expand_braces("{00..10..5}") == ["00", "05", "10"]

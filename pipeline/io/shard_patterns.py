@@ -101,7 +101,8 @@ def _expand_range(match: re.Match[str], pattern: str) -> list[str]:
 
     width = max(len(first), len(last)) if padded(first) or padded(last) else 0
     direction = step if stop >= start else -step
-    return [f"{n:0{width}d}" for n in range(start, stop + direction, direction)]
+    # `count` values, as bash: {0..20..3} ends at 18, never past the end point.
+    return [f"{start + i * direction:0{width}d}" for i in range(count)]
 
 
 def _expand_braces(pattern: str) -> list[str]:

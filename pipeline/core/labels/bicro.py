@@ -199,33 +199,9 @@ def bicro_in_batch_anchors(
             "in-batch BiCro needs clean pairs to anchor on; apply the partition's fallback "
             "(docs/methods.md §3.2) first."
         )
-    rng = np.random.default_rng(seed)
-
-    def batches(mask: np.ndarray) -> list[np.ndarray]:
-        rows = np.flatnonzero(mask)
-        rows = rows[np.argsort(ids[rows], kind="stable")]
-        rows = rows[rng.permutation(rows.size)]
-        return [rows[start : start + batch_size] for start in range(0, rows.size, batch_size)]
-
-    clean_batches = batches(is_clean)
-    noisy_batches = batches(~is_clean)
-    anchors_of = []
-    is_anchor = np.zeros(n, dtype=bool)
-    for batch in clean_batches:
-        count = min(batch.size, batch.size // 10 + 1)
-        anchors = batch[np.lexsort((ids[batch], losses[batch]))[:count]]
-        is_anchor[anchors] = True
-        anchors_of.append(anchors)
-
-    image_nn = np.zeros(n, dtype=np.int64)
-    text_nn = np.zeros(n, dtype=np.int64)
-    jobs = [(batch, anchors_of[j]) for j, batch in enumerate(clean_batches)]
-    jobs += [(batch, anchors_of[j % len(clean_batches)]) for j, batch in enumerate(noisy_batches)]
-    for batch, anchors in jobs:
-        # argmax keeps the first maximum: anchors are ordered by (loss, id), so ties resolve
-        # deterministically and independently of the row order.
-        image_nn[batch] = anchors[np.argmax(u[batch] @ u[anchors].T, axis=1)]  # (b,)
-        text_nn[batch] = anchors[np.argmax(v[batch] @ v[anchors].T, axis=1)]
+    image_nn, text_nn, is_anchor = _in_batch_nearest_anchors(
+        u, v, losses, is_clean, ids, batch_size, np.random.default_rng(seed)
+    )
     labels = bicro_labels(
         u,
         v,
@@ -242,6 +218,41 @@ def bicro_in_batch_anchors(
     )
     labels["is_anchor"] = is_anchor
     return labels
+
+
+def _in_batch_nearest_anchors(u, v, losses, is_clean, ids, batch_size, rng):
+    """Each pair's nearest anchor by image and by text within its batch, and the anchors.
+
+    Returns:
+        image_nn, text_nn (N,) int64 rows; is_anchor (N,) bool.
+    """
+    n = u.shape[0]
+
+    def batches(mask: np.ndarray) -> list[np.ndarray]:
+        rows = np.flatnonzero(mask)
+        rows = rows[np.argsort(ids[rows], kind="stable")]
+        rows = rows[rng.permutation(rows.size)]
+        return [rows[start : start + batch_size] for start in range(0, rows.size, batch_size)]
+
+    clean_batches = batches(is_clean)
+    noisy_batches = batches(~is_clean)
+    anchors_of = []
+    is_anchor = np.zeros(n, dtype=bool)
+    for batch in clean_batches:
+        count = min(batch.size, batch.size // 10 + 1)
+        anchors = batch[np.lexsort((ids[batch], losses[batch]))[:count]]
+        is_anchor[anchors] = True
+        anchors_of.append(anchors)
+    image_nn = np.zeros(n, dtype=np.int64)
+    text_nn = np.zeros(n, dtype=np.int64)
+    jobs = [(batch, anchors_of[j]) for j, batch in enumerate(clean_batches)]
+    jobs += [(batch, anchors_of[j % len(clean_batches)]) for j, batch in enumerate(noisy_batches)]
+    for batch, anchors in jobs:
+        # argmax keeps the first maximum: anchors are ordered by (loss, id), so ties resolve
+        # deterministically and independently of the row order.
+        image_nn[batch] = anchors[np.argmax(u[batch] @ u[anchors].T, axis=1)]  # (b,)
+        text_nn[batch] = anchors[np.argmax(v[batch] @ v[anchors].T, axis=1)]
+    return image_nn, text_nn, is_anchor
 
 
 def decide(

@@ -111,6 +111,24 @@ def _neighbours(role, masks, u, v, ids, keys, captions, image_hashes, layout):
     return build_local_neighbours([part], dim=u.shape[1], **layout)
 
 
+def _scalars(ids, loss, prob, loss_i2t, loss_t2i, alpha_i2t, alpha_t2i) -> ShardScalars:
+    """The corpus as one shard's scalars (float32; missing InfoNCE terms are zeros)."""
+
+    def floats(values):
+        return None if values is None else np.asarray(values, dtype=np.float32)
+
+    zeros = np.zeros(ids.size, dtype=np.float32)
+    return ShardScalars(
+        ids=ids,
+        loss=floats(loss),
+        loss_i2t=zeros if loss_i2t is None else floats(loss_i2t),
+        loss_t2i=zeros if loss_t2i is None else floats(loss_t2i),
+        prob=floats(prob),
+        alpha_i2t=floats(alpha_i2t),
+        alpha_t2i=floats(alpha_t2i),
+    )
+
+
 def label_in_memory(
     method: str,
     params,
@@ -142,37 +160,20 @@ def label_in_memory(
     Args:
         u, v: (N, D) float32 L2-normalised embeddings of the labelling model.
         loss: (N,) float32 the mixture's loss; prob: (N,) its clean posterior.
-        loss_i2t, loss_t2i: (N,) the labelling model's InfoNCE (SPS's quasi-clean P^); default
-            zeros.
-        alpha_i2t, alpha_t2i: (N,) per-direction posteriors (RCR).
-        threshold: the mixture threshold delta.
-        keys, captions: (N,) stored with index rows (anchor keys, SPS proxy captions);
-            default: the row number as a string / None.
-        image_hashes: (N,) hex SHA-256 of each image (RCR de-duplication), or None.
-        shard_sizes: rows per shard, in order (default one shard); ids are row numbers.
-        shard_seeds: per-shard seeds (in-batch anchors, P^ batches); default `seed` + shard.
-        index_stores, factory, nprobe, seed: the index layout (as `index.*` of a job).
-        logit_scale, query_batch, fetch_limit: as in the label stage.
+        loss_i2t, loss_t2i: (N,) the labelling model's InfoNCE (SPS's P^; default zeros);
+            alpha_i2t, alpha_t2i: (N,) per-direction posteriors (RCR); threshold: delta.
+        keys, captions: (N,) stored with index rows (default: row numbers / None);
+            image_hashes: (N,) hex SHA-256 per image (RCR de-duplication) or None.
+        shard_sizes, shard_seeds: rows and seeds per shard (default one shard, `seed` + shard).
+        index_stores, factory, nprobe, seed, logit_scale, query_batch, fetch_limit: as the
+            label stage's (`index.*` of a job, and the stage's tuning).
     """
     entry = get_method(method)
     u = np.ascontiguousarray(u, dtype=np.float32)
     v = np.ascontiguousarray(v, dtype=np.float32)
     n = u.shape[0]
     ids = np.arange(n, dtype=np.int64)
-    zeros = np.zeros(n, dtype=np.float32)
-
-    def floats(values):
-        return None if values is None else np.asarray(values, dtype=np.float32)
-
-    scalars = ShardScalars(
-        ids=ids,
-        loss=floats(loss),
-        loss_i2t=zeros if loss_i2t is None else floats(loss_i2t),
-        loss_t2i=zeros if loss_t2i is None else floats(loss_t2i),
-        prob=floats(prob),
-        alpha_i2t=floats(alpha_i2t),
-        alpha_t2i=floats(alpha_t2i),
-    )
+    scalars = _scalars(ids, loss, prob, loss_i2t, loss_t2i, alpha_i2t, alpha_t2i)
     decisions, partition = _decide(entry, params, scalars, threshold, fetch_limit)
     masks = shard_masks(scalars, decisions)
     neighbours = _neighbours(

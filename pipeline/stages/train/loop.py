@@ -1,0 +1,372 @@
+"""What runs on every Ray Train worker: the two views' optimisers, the epoch loop, the
+warm-up selection on the validation split and the end-of-run evaluation on the test split."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+
+import torch
+
+from pipeline.core.losses import infonce_per_sample, triplet_per_sample
+from pipeline.core.schedule import WarmupState, cosine_lr, update_warmup
+from pipeline.core.train_losses import (
+    select_small_loss,
+    soft_margin,
+    soft_margin_triplet,
+    sps_consistency_losses,
+    weighted_infonce,
+)
+from pipeline.io.checkpoints import load_torch, save_torch_atomic
+from pipeline.io.layout import RunLayout
+from pipeline.io.tables import write_json_atomic
+from pipeline.models import load_clip
+from pipeline.stages.train.data import (
+    TARGET_STATS,
+    epoch_batches,
+    steps_per_epoch,
+)
+from pipeline.stages.train.spec import TrainSpec, ViewSpec
+
+__all__ = ["train_loop"]
+
+logger = logging.getLogger(__name__)
+
+LOG_EVERY_STEPS = 20
+
+# ------------------------------------------------------------------------------------------
+# The loop that runs on each Ray Train worker
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    # CLIP practice: no weight decay on gains, biases and the temperature.
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or "logit_scale" in name else decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def _label_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, weight, reliable):
+    """Co-teaching objective on the peer's labels (docs/methods.md §10.5)."""
+    if spec.train.label_loss == "soft_margin_triplet":
+        # Averaged rather than summed as in the references, so one LR fits both losses.
+        margins = soft_margin(weight)
+        loss = soft_margin_triplet(image_emb, text_emb, margins, reduction="none").mean()
+    else:
+        loss = weighted_infonce(image_emb, text_emb, logit_scale, weight)
+    rows = reliable > 0.5
+    if int(rows.sum()) >= 2 and (spec.train.sps.lambda_cro > 0 or spec.train.sps.lambda_met > 0):
+        l_cro, l_met = sps_consistency_losses(image_emb[rows], text_emb[rows])
+        loss = loss + spec.train.sps.lambda_cro * l_cro + spec.train.sps.lambda_met * l_met
+    return loss
+
+
+def _step_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, batch, selecting: bool):
+    """The training objective of one batch (returns the loss and the plain InfoNCE for logs)."""
+    if spec.mode == "labels":
+        loss = _label_loss(
+            spec, image_emb, text_emb, logit_scale, batch["weight"], batch["reliable"]
+        )
+        loss_i2t, loss_t2i = infonce_per_sample(
+            image_emb.detach(), text_emb.detach(), logit_scale.detach()
+        )
+        return loss, (0.5 * (loss_i2t + loss_t2i)).mean()
+    # The temperature is shared by every pair: trained on the easiest 30% alone it grows until
+    # the other pairs' losses blow up (measured: InfoNCE 3.7 -> 7.2 in one epoch).
+    scale = logit_scale.detach() if selecting else logit_scale
+    loss_i2t, loss_t2i = infonce_per_sample(image_emb, text_emb, scale)
+    plain = 0.5 * (loss_i2t + loss_t2i)  # (B,)
+    per_sample = (
+        triplet_per_sample(image_emb, text_emb) if spec.train.warmup.loss == "triplet" else plain
+    )
+    if selecting:
+        keep = select_small_loss(per_sample.detach(), spec.train.warmup.select_ratio)
+        return per_sample[keep].mean(), plain.mean()
+    return per_sample.mean(), plain.mean()
+
+
+class _ViewTrainer:
+    """One view's model, optimizer and bookkeeping on a worker."""
+
+    def __init__(
+        self,
+        spec: TrainSpec,
+        view: ViewSpec,
+        device: torch.device,
+        total_steps: int,
+        step_offset: int = 0,
+    ):
+        import ray.train.torch
+
+        self.spec, self.view = spec, view
+        self.layout = RunLayout(spec.output)
+        self.loaded = load_clip(view.init, device)
+        self.loaded.model.train()
+        self.model = ray.train.torch.prepare_model(self.loaded.model, move_to_device=False)
+        self.optimizer = torch.optim.AdamW(
+            _param_groups(self.loaded.model, spec.train.weight_decay),
+            lr=spec.train.lr,
+            betas=(0.9, 0.98),
+            eps=1e-6,
+        )
+        self.total_steps, self.step_offset = total_steps, step_offset
+        self.step, self.epoch, self.step_in_epoch = 0, 0, 0
+        self.warmup = WarmupState()
+        self.history: list[dict] = []
+        self.epoch_loss_sum, self.epoch_batches = 0.0, 0
+        self.epoch_targets = dict.fromkeys(TARGET_STATS, 0.0)
+        self.stopped = False
+        self.scaler = torch.amp.GradScaler(
+            enabled=spec.precision == "fp16" and device.type == "cuda"
+        )
+        self.resume()
+
+    # -- checkpoints
+    def state(self) -> dict:
+        return {
+            "model": self.loaded.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "epoch_loss_sum": self.epoch_loss_sum,
+            "epoch_batches": self.epoch_batches,
+            "epoch_targets": json.dumps(self.epoch_targets),
+            "rng": torch.get_rng_state(),
+            "warmup": json.dumps(self.warmup.to_dict()),
+            "history": json.dumps(self.history),
+            "stopped": self.stopped,
+        }
+
+    def save(self) -> None:
+        save_torch_atomic(
+            self.state(), self.layout.resume_state(self.spec.round_index, self.view.name)
+        )
+
+    def resume(self) -> None:
+        state = load_torch(self.layout.resume_state(self.spec.round_index, self.view.name))
+        if state is None:
+            return
+        self.loaded.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.step_in_epoch = int(state["step_in_epoch"])
+        self.epoch_loss_sum = float(state["epoch_loss_sum"])
+        self.epoch_batches = int(state["epoch_batches"])
+        self.epoch_targets = json.loads(state.get("epoch_targets", "{}")) or self.epoch_targets
+        torch.set_rng_state(state["rng"])
+        self.warmup = WarmupState(**json.loads(state["warmup"]))
+        self.history = json.loads(state["history"])
+        self.stopped = bool(state["stopped"])
+
+    # -- one optimizer step
+    def train_step(self, batch: dict, device: torch.device) -> float:
+        spec = self.spec
+        selecting = (
+            spec.mode == "warmup"
+            and (spec.train.warmup.mode == "select")
+            and self.warmup.left_plateau
+            and not (spec.train.warmup.first_epoch_all and self.epoch == 0)
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = cosine_lr(
+                self.step + self.step_offset,
+                self.total_steps,
+                spec.train.lr_warmup_steps,
+                spec.train.lr,
+            )
+        pixels = batch["pixels"].to(device, non_blocking=True)  # (B, 3, H, W)
+        tokens = batch["tokens"].to(device, non_blocking=True)  # (B, L)
+        targets = {
+            "weight": batch["weight"].to(device, non_blocking=True),  # (B,)
+            "reliable": batch["reliable"].to(device, non_blocking=True),  # (B,)
+        }
+        dtype = self.loaded.autocast_dtype
+        with torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype is not None):
+            image_emb, text_emb, logit_scale = self.model(pixels, tokens)
+        loss, plain = _step_loss(
+            spec, image_emb.float(), text_emb.float(), logit_scale.float(), targets, selecting
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
+        if spec.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.loaded.model.parameters(), spec.train.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        with torch.no_grad():  # CLIP clamps the temperature at 100
+            self.loaded.model.logit_scale.clamp_(0, math.log(100))
+        self.step += 1
+        self.step_in_epoch += 1
+        self.epoch_loss_sum += float(plain.detach())
+        self.epoch_batches += 1
+        # What the labels made of the epoch's pairs (weights, SPS reliable rows, proxy pairs).
+        for name in ("weight", "reliable", "proxy"):
+            self.epoch_targets[name] += float(batch[name].sum())
+        self.epoch_targets["pairs"] += float(batch["weight"].numel())
+        return float(loss.detach())
+
+
+def train_loop(config: dict) -> None:
+    """Runs on every Ray Train worker."""
+    import ray.train
+    import ray.train.torch
+
+    spec: TrainSpec = config["spec"]
+    if spec.train.torch_threads:
+        torch.set_num_threads(spec.train.torch_threads)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    device = ray.train.torch.get_device()
+    steps = steps_per_epoch(spec, world)
+    if steps == 0:
+        raise ValueError(
+            f"round {spec.round_index}: fewer usable samples than one batch of "
+            f"{spec.train.batch_size} per worker; lower train.batch_size or train.workers"
+        )
+    before, total = spec.coteach_epochs
+    if total:  # one LR curve over all co-teaching rounds
+        schedule = {"total_steps": steps * total, "step_offset": steps * before}
+    else:
+        schedule = {"total_steps": steps * spec.max_epochs}
+    trainers = [_ViewTrainer(spec, view, device, **schedule) for view in spec.views]
+    val_set = _eval_set(spec, spec.val_shards, trainers[0]) if rank == 0 else None
+    injected = [0]  # steps run by this process, for the fault-injection test
+    while not all(t.stopped for t in trainers):
+        epoch = min(t.epoch for t in trainers if not t.stopped)
+        active = [t for t in trainers if not t.stopped and t.epoch == epoch]
+        seen, seconds = _run_epoch(spec, active, epoch, steps, rank, world, device, injected)
+        results = {}
+        if val_set is not None:
+            from pipeline.evaluation import evaluate_models
+
+            results = evaluate_models({t.view.name: t.loaded for t in active}, val_set)
+        for t in active:
+            _end_epoch(
+                spec, t, epoch, results.get(t.view.name, {}).get("rsum"), seen, seconds, rank
+            )
+        ray.train.report({"epoch": epoch})
+    if rank == 0:
+        _finish(spec, trainers)
+
+
+def _run_epoch(spec, active, epoch, steps, rank, world, device, injected) -> tuple[int, float]:
+    """One epoch of every active view, in lockstep; returns (samples seen, seconds)."""
+    skip = active[0].step_in_epoch  # batches consumed before a restart (same for all views)
+    iterators = [epoch_batches(spec, t.view, epoch, rank, world) for t in active]
+    started, seen = time.perf_counter(), 0
+    for index, batches in enumerate(zip(*iterators, strict=False)):
+        if index >= steps:
+            break
+        if index < skip:
+            continue
+        losses = [t.train_step(b, device) for t, b in zip(active, batches, strict=True)]
+        seen += spec.train.batch_size * world
+        injected[0] += 1
+        if rank == 0 and (index + 1) % LOG_EVERY_STEPS == 0:
+            rate = seen / (time.perf_counter() - started)
+            names = " ".join(f"{t.view.name}={x:.3f}" for t, x in zip(active, losses, strict=True))
+            logger.info(
+                f"  round {spec.round_index} epoch {epoch} step {index + 1}/{steps}: loss "
+                f"{names}, {rate:.0f} samples/s per view"
+            )
+        every = spec.train.checkpoint_every_steps
+        if rank == 0 and every and (index + 1) % every == 0:
+            for t in active:
+                t.save()
+        if spec.fail_after_steps is not None and injected[0] >= spec.fail_after_steps:
+            raise RuntimeError(f"injected failure after {injected[0]} steps (test only)")
+    return seen, time.perf_counter() - started
+
+
+def _end_epoch(spec, t: _ViewTrainer, epoch: int, rsum, seen: int, seconds: float, rank: int):
+    """Record a view's epoch, advance its warm-up state (validation rSum), checkpoint, log."""
+    epoch_loss = t.epoch_loss_sum / max(t.epoch_batches, 1)
+    record = {
+        "epoch": epoch,
+        "loss": epoch_loss,
+        "val_rsum": rsum,
+        "seconds": seconds,
+        "samples_per_s": seen / max(seconds, 1e-9),
+        "pairs": int(t.epoch_targets["pairs"]),
+        "mean_weight": t.epoch_targets["weight"] / max(t.epoch_targets["pairs"], 1.0),
+        "reliable_pairs": int(t.epoch_targets["reliable"]),
+        "proxy_pairs": int(t.epoch_targets["proxy"]),
+    }
+    t.history.append(record)
+    if spec.mode == "warmup":
+        warm = spec.train.warmup
+        t.warmup = update_warmup(
+            t.warmup,
+            epoch_loss=epoch_loss,
+            batch_size=spec.train.batch_size,
+            rsum=rsum,
+            max_epochs=spec.max_epochs,
+            plateau_fraction=warm.plateau_fraction,
+            patience=warm.patience,
+        )
+        if rank == 0 and rsum is not None and t.warmup.best_epoch == t.warmup.epochs_done:
+            best = t.layout.best_model(spec.round_index, t.view.name)
+            save_torch_atomic(t.loaded.model.state_dict(), best)
+        t.stopped = t.warmup.stopped
+    else:
+        t.stopped = epoch + 1 >= spec.max_epochs
+    t.epoch, t.step_in_epoch = epoch + 1, 0
+    t.epoch_loss_sum, t.epoch_batches = 0.0, 0
+    t.epoch_targets = dict.fromkeys(TARGET_STATS, 0.0)
+    if rank == 0:
+        t.save()
+        shown = f", validation rSum {rsum:.1f}" if rsum is not None else ""
+        stop = f"; stop: {t.warmup.reason}" if t.stopped and spec.mode == "warmup" else ""
+        logger.info(
+            f"  round {spec.round_index} {t.view.name} epoch {epoch}: loss "
+            f"{epoch_loss:.3f}{shown}, {record['samples_per_s']:.0f} samples/s{stop}"
+        )
+
+
+def _eval_set(spec: TrainSpec, shards: tuple[str, ...], trainer: _ViewTrainer):
+    """A held-out split decoded once with the models' preprocessing (None without shards)."""
+    if not shards:
+        return None
+    from pipeline.evaluation import load_eval_set
+
+    loaded = trainer.loaded
+    return load_eval_set(shards, loaded.preprocess, loaded.tokenizer, spec.decode)
+
+
+def _finish(spec: TrainSpec, trainers: list[_ViewTrainer]) -> None:
+    """Keep each view's final weights, evaluate them (A, B, A+B) and write the summary last."""
+    layout = RunLayout(spec.output)
+    summary = {"round": spec.round_index, "mode": spec.mode, "views": {}, "retrieval": None}
+    for t in trainers:
+        best = (
+            load_torch(layout.best_model(spec.round_index, t.view.name))
+            if (spec.mode == "warmup" and t.warmup.best_epoch is not None)
+            else None
+        )
+        if best is not None:
+            t.loaded.model.load_state_dict(best)
+        final = t.loaded.model.state_dict()
+        save_torch_atomic(final, layout.model_checkpoint(spec.round_index, t.view.name))
+        summary["views"][t.view.name] = {
+            "epochs": t.epoch,
+            "steps": t.step,
+            "history": t.history,
+            "warmup": t.warmup.to_dict() if spec.mode == "warmup" else None,
+            "kept_epoch": t.warmup.best_epoch if best is not None else t.epoch,
+            "checkpoint": layout.model_checkpoint(spec.round_index, t.view.name),
+        }
+    test_set = _eval_set(spec, spec.test_shards, trainers[0])
+    if test_set is not None:
+        from pipeline.evaluation import evaluate_models
+
+        summary["retrieval"] = evaluate_models({t.view.name: t.loaded for t in trainers}, test_set)
+        summary["retrieval_test_pairs"] = test_set.n_texts
+    write_json_atomic(summary, layout.train_summary(spec.round_index))
