@@ -22,11 +22,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[cpu,dev]' $(TORCH_PINS)
 	touch $(STAMP)
 
-$(DEMO_DATA)/ground_truth.parquet: | $(STAMP)
+# val/ is the newest part of the corpus: an older corpus without it is written anew.
+$(DEMO_DATA)/val/ground_truth.parquet: | $(STAMP)
 	$(BIN)/ncl-pipeline make-corpus --out $(DEMO_DATA) --samples 4000 --noise 0.4 \
-		--partial 0.1 --seed 0 --samples-per-shard 500 --test-samples 500 --corrupt 0.005
+		--partial 0.1 --seed 0 --samples-per-shard 500 --test-samples 500 --val-samples 500 \
+		--corrupt 0.005
 
-demo: $(STAMP) $(DEMO_DATA)/ground_truth.parquet
+demo: $(STAMP) $(DEMO_DATA)/val/ground_truth.parquet
 	$(BIN)/ncl-pipeline run jobs/demo.yaml
 
 test: $(STAMP)
@@ -38,7 +40,7 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check pipeline tests benchmarks
 
-bench: $(STAMP) $(DEMO_DATA)/ground_truth.parquet
+bench: $(STAMP) $(DEMO_DATA)/val/ground_truth.parquet
 	$(BIN)/python benchmarks/embed.py
 
 schemas: $(STAMP)

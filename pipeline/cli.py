@@ -118,6 +118,9 @@ def make_corpus_command(
     seed: int = typer.Option(0, help="Seed: the corpus is a pure function of the arguments."),
     samples_per_shard: int = typer.Option(500, help="Pairs per tar shard."),
     test_samples: int = typer.Option(500, help="Clean held-out pairs under OUT/test/."),
+    val_samples: int = typer.Option(
+        500, help="Clean validation pairs under OUT/val/ (select the warm-up; not reported)."
+    ),
     image_size: int = typer.Option(64, help="Image side in pixels."),
     corrupt: float = typer.Option(0.0, help="Fraction of deliberately corrupt samples."),
 ) -> None:
@@ -133,6 +136,7 @@ def make_corpus_command(
             seed=seed,
             samples_per_shard=samples_per_shard,
             test_samples=test_samples,
+            val_samples=val_samples,
             image_size=image_size,
             corrupt=corrupt,
         )
@@ -141,7 +145,8 @@ def make_corpus_command(
     typer.echo(
         f"wrote {summary.samples} pairs in {len(summary.shards)} shards to {out} "
         f"({', '.join(f'{k}: {v}' for k, v in sorted(summary.counts.items()))}); "
-        f"{len(summary.test_shards)} clean test shards in {out}/test"
+        f"{len(summary.test_shards)} clean test shards in {out}/test, "
+        f"{len(summary.val_shards)} clean validation shards in {out}/val"
     )
 
 

@@ -22,6 +22,7 @@ def test_demo_job_runs_from_the_cli(tmp_path):
         seed=0,
         samples_per_shard=500,
         test_samples=500,
+        val_samples=500,
         corrupt=0.005,
     )
     out = tmp_path / "run"
@@ -34,6 +35,8 @@ def test_demo_job_runs_from_the_cli(tmp_path):
         f"eval.ground_truth={corpus.ground_truth}",
         "--set",
         f"eval.test_shards={corpus.test_shards[0]}",
+        "--set",
+        f"eval.val_shards={corpus.val_shards[0]}",
         "--set",
         "train.warmup_epochs=2",  # the full demo trains longer; CI checks the wiring
         "--set",
@@ -57,6 +60,8 @@ def test_demo_job_runs_from_the_cli(tmp_path):
     assert len(list((out / "rounds" / "0" / "embeddings").glob("*.parquet"))) == 8
     warmup = metrics["rounds"]["0"]["train"]
     assert {v: len(info["history"]) for v, info in warmup["views"].items()} == {"A": 2, "B": 2}
+    # The warm-up is selected on the validation split; the test split is only reported.
+    assert all(e["val_rsum"] is not None for info in warmup["views"].values() for e in info["history"])
     assert set(metrics["rounds"]["0"]["retrieval"]) == {"A", "B", "A+B"}
     assert "retrieval on the test split" in result.stdout
     assert (out / "report" / "index.html").exists()

@@ -106,6 +106,8 @@ def test_submit_runs_the_demo_job_on_the_cluster(head, tmp_path):
         "--set",
         "eval.test_shards=null",
         "--set",
+        "eval.val_shards=null",
+        "--set",
         "train.warmup_epochs=0",
         "--set",
         "train.rounds=0",  # the submission is under test here; co-teaching has its own tests

@@ -292,6 +292,27 @@ def test_test_split_differs_from_train_stream(corpus):
     assert train != test
 
 
+def test_validation_split_is_clean_disjoint_and_leaves_the_rest_unchanged(tmp_path):
+    """val/ selects the warm-up: clean, keys of its own (8xxxxxxxx), drawn from its own stream,
+    and adding it changes no training or test sample."""
+    options = dict(samples=40, samples_per_shard=20, test_samples=10, image_size=32, seed=3)
+    without = make_corpus(tmp_path / "a", **options)
+    with_val = make_corpus(tmp_path / "b", val_samples=12, **options)
+    assert without.val_shards == () and without.val_ground_truth is None
+    assert with_val.val_shards == (str(tmp_path / "b" / "val" / "00000.tar"),)
+    rows = ground_truth(with_val.val_ground_truth)
+    assert len(rows) == 12 and all(r["kind"] == "clean" for r in rows)
+    assert all(re.fullmatch(r"8\d{8}", r["key"]) for r in rows)
+    test_captions = {r["caption"] for r in ground_truth(with_val.test_ground_truth)}
+    assert [r["caption"] for r in rows] != list(test_captions)[:12]
+    for x, y in zip(
+        without.shards + without.test_shards, with_val.shards + with_val.test_shards, strict=True
+    ):
+        assert Path(x).read_bytes() == Path(y).read_bytes()
+    again = make_corpus(tmp_path / "b", **options)  # a rerun without val/ removes it
+    assert again.val_shards == () and not (tmp_path / "b" / "val").exists()
+
+
 # ----------------------------------------------------------------------------------- corrupt
 
 

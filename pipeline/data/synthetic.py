@@ -12,11 +12,14 @@ Contract (docs/architecture.md §4.1 and §6; file names and ground-truth column
                                  (the original, true caption), noisy_caption (the one in the
                                  tar), changed_attribute, corrupt
     out_dir/test/...             the same layout for a clean held-out split, with its own
-                                 ``test/ground_truth.parquet``
+                                 ``test/ground_truth.parquet`` (reported retrieval)
+    out_dir/val/...              the same for a clean validation split (``val_samples``), which
+                                 selects the warm-up; never reported
 
 - Keys are 9 digits, img2dataset style: 5-digit shard index + 4-digit index within the shard
   (shard 3, sample 17 -> ``000030017``). Held-out shards are numbered from ``00000`` under
-  ``test/`` but their keys use shard prefixes from 90000, so keys are unique across both splits.
+  ``test/`` (and ``val/``) but their keys use shard prefixes from 90000 (80000), so keys are
+  unique across the splits.
 - Noise (the NCR / BiCro protocol): ``floor(noise * samples)`` samples are ``mismatched``
   (degree 0.0): their caption is the true caption of another mismatched sample (a constrained
   derangement; the donor's scene differs in at least ``MIN_MISMATCH_DIFF`` attributes).
@@ -92,6 +95,7 @@ __all__ = [
     "SIZES",
     "TEMPLATES",
     "TEST_SHARD_OFFSET",
+    "VAL_SHARD_OFFSET",
     "CorpusSummary",
     "Scene",
     "make_corpus",
@@ -101,13 +105,14 @@ __all__ = [
 
 # Held-out keys start at this shard prefix so they never collide with training keys.
 TEST_SHARD_OFFSET = 90_000
+VAL_SHARD_OFFSET = 80_000  # the validation split's keys, below the test split's
 _TAR_MTIME = 946_684_800  # fixed (2000-01-01) so tar bytes do not depend on when they were made
 _MAX_PER_SHARD = 10_000  # the 4-digit in-shard part of a key
 
 # Seed streams: independent numpy Generators per purpose, so e.g. changing `corrupt` does not
 # reshuffle which samples are noisy.
 _STREAM_SCENES, _STREAM_NOISE, _STREAM_CORRUPT, _STREAM_PIXELS = 1, 2, 3, 4
-_SPLIT_TRAIN, _SPLIT_TEST = 0, 1
+_SPLIT_TRAIN, _SPLIT_TEST, _SPLIT_VAL = 0, 1, 2
 
 _SHARD_FILE = re.compile(r"^\d{5}(\.tar|\.parquet|_stats\.json)(\.tmp)?$")
 
@@ -153,6 +158,9 @@ class CorpusSummary:
     test_ground_truth: str | None  # out_dir/test/ground_truth.parquet, or None
     samples: int  # training samples, corrupt ones included
     test_samples: int
+    val_shards: tuple[str, ...]  # validation tar paths (empty when val_samples == 0)
+    val_ground_truth: str | None  # out_dir/val/ground_truth.parquet, or None
+    val_samples: int
     counts: dict[str, int]  # training samples per kind: clean / partial / mismatched
     corrupt: int  # training samples with a damaged member
     corrupt_counts: dict[str, int]  # per CORRUPT_MODES entry (zeros included)
@@ -302,15 +310,17 @@ def _clear_previous(out: Path) -> None:
             f"{out} already holds shard files but no ground_truth.parquet, so it is not a corpus "
             "written by make_corpus; choose an empty or new out_dir"
         )
-    test = out / "test"
-    if test.is_dir():
-        stale += [p for p in test.iterdir() if _SHARD_FILE.match(p.name)]
-        stale += [test / "ground_truth.parquet"]
+    splits = [out / "test", out / "val"]
+    for split in splits:
+        if split.is_dir():
+            stale += [p for p in split.iterdir() if _SHARD_FILE.match(p.name)]
+            stale += [split / "ground_truth.parquet"]
     stale += [out / "ground_truth.parquet"]
     for path in stale:
         path.unlink(missing_ok=True)
-    if test.is_dir() and not any(test.iterdir()):
-        test.rmdir()  # a rerun with test_samples=0 must not leave an empty test/ behind
+    for split in splits:
+        if split.is_dir() and not any(split.iterdir()):
+            split.rmdir()  # a rerun without that split must not leave an empty folder behind
 
 
 def _count(fraction: float, samples: int) -> int:
@@ -359,10 +369,10 @@ def _validate(
         )
     if not is_int(seed) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-    if math.ceil(samples / samples_per_shard) > TEST_SHARD_OFFSET:
+    if math.ceil(samples / samples_per_shard) > VAL_SHARD_OFFSET:
         raise ValueError(
             f"{samples} samples at {samples_per_shard} per shard need more than "
-            f"{TEST_SHARD_OFFSET} shards; raise samples_per_shard"
+            f"{VAL_SHARD_OFFSET} shards; raise samples_per_shard"
         )
     if math.ceil(test_samples / samples_per_shard) > 100_000 - TEST_SHARD_OFFSET:
         raise ValueError(
@@ -399,32 +409,36 @@ def _noisy_train_samples(
     )
 
 
-def _write_test_split(out: Path, params: dict) -> tuple[list[str], Path]:
-    """Write the clean held-out split under ``out/test``; returns (tar paths, ground truth)."""
+def _write_clean_split(out: Path, params: dict, name: str) -> tuple[list[str], Path]:
+    """Write a clean held-out split (``test`` or ``val``) under ``out/<name>``; returns (tar
+    paths, ground truth)."""
     seed, samples_per_shard, image_size = (
         params["seed"],
         params["samples_per_shard"],
         params["image_size"],
     )
-    test = draw_samples(
-        params["test_samples"],
+    offset, split = {
+        "test": (TEST_SHARD_OFFSET, _SPLIT_TEST),
+        "val": (VAL_SHARD_OFFSET, _SPLIT_VAL),
+    }[name]
+    samples = draw_samples(
+        params[f"{name}_samples"],
         samples_per_shard,
-        TEST_SHARD_OFFSET,
+        offset,
         image_size,
-        np.random.default_rng([seed, _STREAM_SCENES, _SPLIT_TEST]),
+        np.random.default_rng([seed, _STREAM_SCENES, split]),
     )
-    test_shards = _write_split(out / "test", test, samples_per_shard, image_size, seed, _SPLIT_TEST)
-    test_gt = out / "test" / "ground_truth.parquet"
-    _write_ground_truth(test_gt, test, {**params, "split": "test"})
-    return test_shards, test_gt
+    shards = _write_split(out / name, samples, samples_per_shard, image_size, seed, split)
+    truth = out / name / "ground_truth.parquet"
+    _write_ground_truth(truth, samples, {**params, "split": name})
+    return shards, truth
 
 
 def _summary(
     out: Path,
     train: list[Sample],
     shards: list[str],
-    test_shards: list[str],
-    test_gt: Path | None,
+    held_out: dict[str, tuple[list[str], Path | None]],
     params: dict,
 ) -> CorpusSummary:
     counts = {kind: 0 for kind in KIND_DEGREES}
@@ -436,11 +450,14 @@ def _summary(
     return CorpusSummary(
         out_dir=str(out),
         shards=tuple(shards),
-        test_shards=tuple(test_shards),
+        test_shards=tuple(held_out["test"][0]),
         ground_truth=str(out / "ground_truth.parquet"),
-        test_ground_truth=None if test_gt is None else str(test_gt),
+        test_ground_truth=None if held_out["test"][1] is None else str(held_out["test"][1]),
         samples=params["samples"],
         test_samples=params["test_samples"],
+        val_shards=tuple(held_out["val"][0]),
+        val_ground_truth=None if held_out["val"][1] is None else str(held_out["val"][1]),
+        val_samples=params["val_samples"],
         counts=counts,
         corrupt=sum(corrupt_counts.values()),
         corrupt_counts=corrupt_counts,
@@ -459,6 +476,7 @@ def make_corpus(
     test_samples: int = 500,
     image_size: int = 64,
     corrupt: float = 0.0,
+    val_samples: int = 0,
 ) -> CorpusSummary:
     """Write a noisy synthetic image-text corpus in the img2dataset layout (see module docs).
 
@@ -476,6 +494,8 @@ def make_corpus(
         image_size: side of the square JPEGs in pixels, in [32, 1024].
         corrupt: fraction of training pairs with one damaged member (``CORRUPT_MODES``);
             ``floor(corrupt * samples)`` pairs, independent of their kind.
+        val_samples: clean validation pairs under ``out_dir/val/`` (select the warm-up, never
+            reported); 0 writes none. They change no training or test sample.
 
     Returns:
         A `CorpusSummary` of the paths written and the counts per kind.
@@ -485,6 +505,7 @@ def make_corpus(
             out_dir holds shard files that make_corpus did not write.
     """
     _validate(samples, noise, partial, seed, samples_per_shard, test_samples, image_size, corrupt)
+    _validate(samples, noise, partial, seed, samples_per_shard, val_samples, image_size, corrupt)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _clear_previous(out)
@@ -495,6 +516,7 @@ def make_corpus(
         "seed": seed,
         "samples_per_shard": samples_per_shard,
         "test_samples": test_samples,
+        "val_samples": val_samples,
         "image_size": image_size,
         "corrupt": corrupt,
     }
@@ -503,10 +525,10 @@ def make_corpus(
         samples, noise, partial, corrupt, seed, samples_per_shard, image_size
     )
     shards = _write_split(out, train, samples_per_shard, image_size, seed, _SPLIT_TRAIN)
-    test_shards: list[str] = []
-    test_gt = None
-    if test_samples:
-        test_shards, test_gt = _write_test_split(out, params)
+    held_out: dict[str, tuple[list[str], Path | None]] = {"test": ([], None), "val": ([], None)}
+    for name in held_out:
+        if params[f"{name}_samples"]:
+            held_out[name] = _write_clean_split(out, params, name)
     # Written last: its presence marks a complete corpus (and lets a rerun replace it).
     _write_ground_truth(out / "ground_truth.parquet", train, {**params, "split": "train"})
-    return _summary(out, train, shards, test_shards, test_gt, params)
+    return _summary(out, train, shards, held_out, params)
