@@ -61,7 +61,9 @@ def test_demo_job_runs_from_the_cli(tmp_path):
     warmup = metrics["rounds"]["0"]["train"]
     assert {v: len(info["history"]) for v, info in warmup["views"].items()} == {"A": 2, "B": 2}
     # The warm-up is selected on the validation split; the test split is only reported.
-    assert all(e["val_rsum"] is not None for info in warmup["views"].values() for e in info["history"])
+    assert all(
+        e["val_rsum"] is not None for info in warmup["views"].values() for e in info["history"]
+    )
     assert set(metrics["rounds"]["0"]["retrieval"]) == {"A", "B", "A+B"}
     assert "retrieval on the test split" in result.stdout
     assert (out / "report" / "index.html").exists()
