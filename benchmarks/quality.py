@@ -9,6 +9,7 @@ Ablations (BENCHMARKS.md):
                        the ground truth, and each run's AUROC;
   rcr_vs_cosine        RCR's weight w~ vs the raw cosine as the weight on the same set C;
   global_vs_in_batch   BiCro with global (FAISS) anchors vs the reference's per-batch anchors;
+  bicro_step_vs_fused  BiCro's step label (BiCro*) vs the fused p + (1 - p) c;
   label_pass_overhead  label pass (fit + index + labels, bicro) time / embed pass time.
 
 Which model labels matters: the packaged `ncl-tiny` with random weights is untrained, so its
@@ -203,6 +204,17 @@ def run_noise_level(noise: float, args, workdir: Path, pretrained: str | None) -
         in_batch_auroc=in_batch["quality"]["bicro"]["auroc"],
         global_spearman=runs["bicro"]["quality"]["bicro"]["spearman"],
         in_batch_spearman=in_batch["quality"]["bicro"]["spearman"],
+    )
+    fused = label("labels_bicro_fused", method="bicro", bicro={"label": "fused"})
+    step_q, fused_q = runs["bicro"]["quality"], fused["quality"]
+    emit(
+        "ablation_bicro_step_vs_fused",
+        **common,
+        step_auroc=step_q["bicro"]["auroc"],
+        fused_auroc=fused_q["bicro"]["auroc"],
+        step_spearman=step_q["bicro"]["spearman"],
+        fused_spearman=fused_q["bicro"]["spearman"],
+        cosine_auroc=step_q["cosine"]["auroc"],
     )
     label_seconds = runs["bicro"]["seconds"]["total"]
     emit(
