@@ -300,17 +300,30 @@ def _demo_job(corpus: Path, summary, output: Path, mode: str, seed: int, args):
     return load_job("jobs/demo.yaml", [f"{k}={v}" for k, v in overrides.items()])
 
 
+def _runs(args) -> list[tuple[str, str | None]]:
+    """(train.mode, labels.method) in order: coteach once per `--methods` entry, then each
+    baseline once (the method does not change a baseline's training)."""
+    runs = []
+    for mode in args.modes:
+        methods = args.methods if mode == "coteach" else [None]
+        runs += [(mode, method) for method in methods]
+    return runs
+
+
 def run_coteaching(noise: float, args, workdir: Path) -> None:
-    """Per repeat (seed): the demo job in every mode, sharing one warm-up (deterministic on CPU,
-    so each mode's own warm-up would be identical); medians over the repeats."""
+    """Per repeat (seed): the demo job in every mode (and coteach with every method), sharing
+    one warm-up (deterministic on CPU, so each run's own warm-up would be identical); medians
+    over the repeats."""
     folder = workdir / f"coteach_{int(noise * 100)}"
     corpus, summary = _demo_corpus(folder, args, noise)
-    final: dict[str, list[float]] = {mode: [] for mode in args.modes}
+    final: dict[str, list[float]] = {}
     for repeat in range(args.repeats):
         seed = args.seed + repeat
         warm = None
-        for mode in args.modes:
-            job = _demo_job(corpus, summary, folder / f"seed{seed}" / mode, mode, seed, args)
+        for mode, method in _runs(args):
+            name = mode if method is None else f"{mode}_{method}"
+            run_args = argparse.Namespace(**{**vars(args), "method": method or args.method})
+            job = _demo_job(corpus, summary, folder / f"seed{seed}" / name, mode, seed, run_args)
             if warm is not None:
                 _share_warmup(warm, job.output)
             started = time.perf_counter()
@@ -319,7 +332,7 @@ def run_coteaching(noise: float, args, workdir: Path) -> None:
             table = metrics["coteaching"]
             for row in table:
                 emit("coteach_round", noise=noise, mode=mode, seed=seed, **_settings(job), **row)
-            final[mode].append(table[-1]["rsum_A+B"])
+            final.setdefault(name, []).append(table[-1]["rsum_A+B"])
             emit(
                 "coteach_run",
                 noise=noise,
@@ -332,24 +345,25 @@ def run_coteaching(noise: float, args, workdir: Path) -> None:
                 rsum_ab=table[-1]["rsum_A+B"],
                 seconds=time.perf_counter() - started,
             )
-    medians = {mode: statistics.median(values) for mode, values in final.items() if values}
+    medians = {name: statistics.median(values) for name, values in final.items()}
 
     def ratio(a, b):
         return a / b if a is not None and b else None
 
-    coteach = medians.get("coteach")
-    emit(
-        "coteach_vs_baselines",
-        noise=noise,
-        repeats=args.repeats,
-        **{f"rsum_{mode}": value for mode, value in medians.items()},
-        **{
-            f"coteach_over_{mode}": ratio(coteach, value)
-            for mode, value in medians.items()
-            if mode != "coteach"
-        },
-        bars="at 40 %: coteach/vanilla >= 1.5, /cosine_filter >= 1.1, /oracle >= 0.9",
-    )
+    baselines = {n: v for n, v in medians.items() if not n.startswith("coteach")}
+    for name, value in medians.items():
+        if not name.startswith("coteach"):
+            continue
+        emit(
+            "coteach_vs_baselines",
+            noise=noise,
+            run=name,
+            repeats=args.repeats,
+            rsum=value,
+            **{f"rsum_{b}": v for b, v in baselines.items()},
+            **{f"over_{b}": ratio(value, v) for b, v in baselines.items()},
+            bars="at 40 %: coteach/vanilla >= 1.5, /cosine_filter >= 1.1, /oracle >= 0.9",
+        )
 
 
 def _settings(job) -> dict:
@@ -386,6 +400,13 @@ def main() -> None:
     parser.add_argument("--coteach", action="store_true", help="co-teaching vs vanilla/oracle")
     parser.add_argument(
         "--method", default=None, choices=sorted(LABEL_METHODS), help="default: the demo job's"
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=[None],
+        choices=sorted(LABEL_METHODS),
+        help="--coteach: one coteach run per method, sharing the warm-up",
     )
     parser.add_argument("--mixture", default=None, choices=["bmm", "gmm"], help="--coteach")
     parser.add_argument(
