@@ -116,7 +116,8 @@ def test_library_modules_log_through_module_loggers_and_never_print():
         "runner.py",
         "stages/embed.py",
         "stages/labels/driver.py",
-        "stages/train.py",
+        "stages/train/loop.py",
+        "stages/train/driver.py",
         "submit.py",
     ):
         assert expected in logging_modules
