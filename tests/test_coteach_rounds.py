@@ -140,7 +140,7 @@ def test_published_labels_are_the_mean_of_the_final_round_views(sps_run):
 def test_vanilla_and_oracle_use_the_same_trainer(local_ray, corpus, tmp_path):
     vanilla = _job(corpus, tmp_path / "vanilla", method="bicro", mode="vanilla")
     spec = coteach_spec(vanilla, RunLayout(vanilla.output), resolve_inputs(vanilla), 1, {})
-    assert all(v.labels_dir is None and v.method == "weights" for v in spec.views)
+    assert all(v.labels_dir is None and v.target == "weights" for v in spec.views)
 
     oracle = _job(corpus, tmp_path / "oracle", method="bicro", mode="oracle")
     oracle = oracle.model_copy(
@@ -157,3 +157,41 @@ def test_vanilla_and_oracle_use_the_same_trainer(local_ray, corpus, tmp_path):
     trained = metrics["rounds"]["1"]["train"]["views"]["A"]
     batches = len(clean) // 32  # clean pairs only, full batches of 32
     assert trained["steps"] == batches
+
+
+def test_cosine_filter_trains_on_the_highest_cosine_pairs(local_ray, corpus, tmp_path):
+    """train.mode cosine_filter: the same trainer on the pairs the warmed models' mean cosine
+    ranks highest, as many as the fitted clean weight says (or train.filter_fraction)."""
+    job = _job(corpus, tmp_path / "filter", method="bicro", mode="cosine_filter")
+    job = job.model_copy(
+        update={
+            "train": job.train.model_copy(
+                update={"rounds": 1, "warmup_epochs": 0, "filter_fraction": 0.5}
+            )
+        }
+    )
+    metrics = run_job(job)
+    layout = RunLayout(job.output)
+    folder = Path(layout.round_dir(1), "labels_cosine_filter")
+    record = json.loads((folder / "_filter.json").read_text())
+    kept = sum(record["kept"].values())
+    embedded = pq.read_table(Path(layout.round_dir(1), "embeddings")).select(
+        ["key", "cosine_a", "cosine_b"]
+    )
+    assert kept == round(0.5 * embedded.num_rows)
+    scores = dict(
+        zip(
+            embedded.column("key").to_pylist(),
+            (
+                0.5
+                * (embedded.column("cosine_a").to_numpy() + embedded.column("cosine_b").to_numpy())
+            ),
+            strict=True,
+        )
+    )
+    chosen = set()
+    for path in folder.glob("*.parquet"):
+        chosen |= set(pq.read_table(path).column("key").to_pylist())
+    assert min(scores[k] for k in chosen) >= max(s for k, s in scores.items() if k not in chosen)
+    trained = metrics["rounds"]["1"]["train"]["views"]["A"]
+    assert trained["steps"] == kept // 32  # only the kept pairs, full batches of 32
