@@ -47,7 +47,7 @@ def labelled_run(root: Path) -> dict:
     job_file = root / "job.yaml"
     job_file.write_text(JOB.format(corpus=corpus, output=root / "run"))
     job = load_job(job_file)
-    metrics = run_job(job, log=lambda line: None)
+    metrics = run_job(job)
     _RUNS[str(root)] = {"corpus": corpus, "run": root / "run", "job": job, "metrics": metrics}
     return _RUNS[str(root)]
 
