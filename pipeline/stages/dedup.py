@@ -124,13 +124,18 @@ def _drop_losers(output: str, shard: str, shard_index: int, names: list[str], *l
 
     quarantine_path = layout.quarantine(shard)
     rows = _quarantine_rows(keys, shard, keepers)
-    if file_exists(quarantine_path):
-        earlier = pq.read_table(quarantine_path, schema=QUARANTINE_SCHEMA)
-        same = pc.and_(
-            pc.and_(pc.equal(earlier["reason"], "duplicate_key"), pc.is_null(earlier["member"])),
-            pc.is_in(earlier["key"], value_set=dropped),
-        )
-        rows = pa.concat_tables([earlier.filter(pc.invert(same)), rows])
+    if file_exists(quarantine_path):  # small: a shard's quarantine rows
+        replaced = set(keys)
+        earlier = [
+            row
+            for row in pq.read_table(quarantine_path).to_pylist()
+            if not (
+                row["reason"] == "duplicate_key"
+                and row["member"] is None
+                and row["key"] in replaced
+            )
+        ]
+        rows = pa.concat_tables([pa.Table.from_pylist(earlier, schema=QUARANTINE_SCHEMA), rows])
     write_table_atomic(rows, quarantine_path, QUARANTINE_SCHEMA)
 
     embeddings_path = layout.embeddings(0, shard)
@@ -155,6 +160,8 @@ def run_key_check(output: str, shards: list[str]) -> dict:
 
     layout = RunLayout(output)
     names = sorted(shards)
+    if not names:
+        return {"duplicates": 0, "by_shard": {}, "partitions": 0}
     paths = [layout.embeddings(0, name) for name in names]
     total = sum(pq.read_metadata(p).num_rows for p in paths)
     parts = partitions_for(total, len(names))
