@@ -88,7 +88,7 @@ def test_embed_pass_writes_tables_that_reconcile(local_ray, corpus, tmp_path, ca
     summaries = [
         record.getMessage()
         for record in caplog.records
-        if record.name == "pipeline.runner" and record.getMessage().startswith("\nsummary\n")
+        if record.name == "pipeline.run_summary" and record.getMessage().startswith("\nsummary\n")
     ]
     assert len(summaries) == 1 and f"  embedded:     {embed['embedded']}\n" in summaries[0]
     assert f"FAILED shard {corpus['garbage']}" in summaries[0]
