@@ -198,3 +198,31 @@ def test_a_shard_deleted_after_the_embed_pass_is_reported_not_mixed(
     with pytest.raises(ShardReadError):
         list(iter_shard_records(str(tmp_path / "corpus" / "00003.tar")))
     assert read_reference(str(out / "rounds/0/embeddings/00000.parquet")).sha256
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_shard_changed_in_place_stops_training_with_one_paragraph(
+    local_ray, clean_corpus, tmp_path, monkeypatch, capfd
+):
+    import pipeline.stages.dedup as dedup
+
+    corpus = _copy_shards(clean_corpus, tmp_path / "corpus")
+    original = dedup.run_key_check
+
+    def then_touch(output, shards):
+        result = original(output, shards)
+        data = bytearray((corpus / "00001.tar").read_bytes())
+        data[-1] ^= 1  # same size, same samples, other bytes (in the end-of-archive padding)
+        (corpus / "00001.tar").write_bytes(bytes(data))
+        return result
+
+    monkeypatch.setattr(dedup, "run_key_check", then_touch)
+    with pytest.raises(RunFailedError) as failed:
+        run_job(_job(tmp_path, corpus, "run"))
+    message = str(failed.value)
+    assert message.startswith("the warm-up (round 0 training) failed: ShardChangedError: shard ")
+    assert "00001.tar" in message and "\n" not in message
+    assert failed.value.log_path in message and Path(failed.value.log_path).exists()
+    assert not (tmp_path / "run" / "labels").exists()
+    (tmp_path / "console.txt").write_text("\n".join(capfd.readouterr()))
