@@ -38,6 +38,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from pipeline.io.shards import ShardPatternError
     from pipeline.labels import LabelTableError
     from pipeline.models import ModelLoadError
+    from pipeline.run_errors import RunFailedError, ShardFailuresError
     from pipeline.runner import RunConflictError
     from pipeline.stages.export import ExportError
     from pipeline.submit import SubmitError
@@ -50,6 +51,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         LabelTableError,
         ModelLoadError,
         RunConflictError,
+        RunFailedError,
+        ShardFailuresError,
         SubmitError,
     )
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,6 +50,31 @@ class InputConfig(_Section):
         50_000_000, gt=0, description="Decompression-bomb guard: larger images are quarantined."
     )
     allow_pipe: bool = Field(False, description="Allow 'pipe:' shard URLs (runs shell commands).")
+    max_failed_shards: int | float = Field(
+        0.05,
+        ge=0,
+        description=(
+            "Shards that may fail to read before the run stops after the embed pass: a count "
+            "(int), or a fraction of the shards (float < 1, rounded up). Failed shards are "
+            "quarantined, left out of the run and retried by the next run."
+        ),
+    )
+
+    @field_validator("max_failed_shards")
+    @classmethod
+    def _count_or_fraction(cls, value: int | float) -> int | float:
+        if isinstance(value, float) and value >= 1:
+            raise ValueError(
+                f"{value} is neither a count (write an integer, e.g. {int(value)}) nor a "
+                "fraction below 1 (e.g. 0.05)"
+            )
+        return value
+
+    def failed_shards_allowed(self, shards: int) -> int:
+        """How many of `shards` may fail before the run stops."""
+        if isinstance(self.max_failed_shards, float):
+            return math.ceil(self.max_failed_shards * shards)
+        return self.max_failed_shards
 
 
 class ModelConfig(_Section):

@@ -42,6 +42,32 @@ _QUIET_WORKER_LOGGERS = {
     "ray.train.v2._internal.execution.controller.placement_group_cleaner": logging.ERROR,
 }
 
+# Ray's loggers that print a failed task's or training worker's traceback where it happens
+# (in the worker, forwarded to the driver's terminal, or on the driver). The exception still
+# reaches `run_job`, which reports it as one paragraph and writes the whole chain to
+# <output>/logs/ (pipeline.run_errors); Ray Data also keeps them in its own log files.
+_FAILURE_LOGGERS = (
+    "ray.data._internal.execution.streaming_executor_state",  # "An exception was raised ..."
+    "ray.data.exceptions",  # "Full stack trace:"
+    "ray.train.v2._internal.util",  # "Error in training function:"
+    "ray.train.v2._internal.execution.failure_handling.default",  # "[FailurePolicy] RAISE"
+)
+
+
+class _DropFailureReports(logging.Filter):
+    """Drops a failure logger's records. A filter, not a level: Ray Train's own logging set-up
+    (`dictConfig`) resets the levels of its loggers in its worker processes, not their filters."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.CRITICAL
+
+
+def _quiet_failure_loggers() -> None:
+    for name in _FAILURE_LOGGERS:
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _DropFailureReports) for f in target.filters):
+            target.addFilter(_DropFailureReports())
+
 
 class ConsoleFormatter(logging.Formatter):
     """INFO as the bare message; other levels as `LEVEL logger.name: message`."""
@@ -92,9 +118,12 @@ def setup_console(verbose: bool = False) -> None:
     """Show the pipeline's records on the terminal (INFO, or DEBUG when `verbose`).
 
     Attaches one `ConsoleHandler` to the `pipeline` logger; other loggers, the root logger
-    included, are left as they are. Called by the CLI entry points.
+    included, are left as they are, except Ray's loggers that print a failure's traceback
+    (`_FAILURE_LOGGERS`: the run reports failures as one paragraph itself). Called by the CLI
+    entry points.
     """
     _attach(logging.DEBUG if verbose else logging.INFO)
+    _quiet_failure_loggers()
 
 
 def ensure_console() -> None:
@@ -119,6 +148,7 @@ def setup_worker_logging() -> None:
     _attach(logging.INFO)
     for name, level in _QUIET_WORKER_LOGGERS.items():
         logging.getLogger(name).setLevel(level)
+    _quiet_failure_loggers()
     # Ray Data sets up its own logger when it is imported (after this hook), from this variable:
     # the Ray Train loop builds a dataset per view and epoch, each announced at INFO.
     os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")

@@ -21,8 +21,17 @@ from pipeline.io.layout import RunLayout
 from pipeline.io.shards import DecodeOptions, expand_shard_patterns, shard_name
 from pipeline.io.tables import read_json, write_json_atomic
 from pipeline.models import ModelSpec, check_weights_available
+from pipeline.run_errors import RunFailedError, ShardFailuresError, explain_failure
+from pipeline.run_summary import log_coteaching, log_embed_summary, log_round, log_warmup
 
-__all__ = ["RunConflictError", "run_job", "resolve_inputs", "model_specs"]
+__all__ = [
+    "RunConflictError",
+    "RunFailedError",
+    "ShardFailuresError",
+    "run_job",
+    "resolve_inputs",
+    "model_specs",
+]
 
 EMBED_SECTIONS = ("input", "model", "embed", "seed")
 
@@ -85,11 +94,22 @@ def model_specs(job: JobConfig) -> dict[str, ModelSpec]:
     }
 
 
+def embed_hash(job: JobConfig) -> str:
+    """The hash of what the embeddings depend on (input.max_failed_shards does not count)."""
+    import hashlib
+    import json
+
+    dumped = job.model_dump(mode="json")
+    dumped["input"].pop("max_failed_shards", None)
+    blob = json.dumps({k: dumped[k] for k in EMBED_SECTIONS}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 def _check_resume(job: JobConfig, layout: RunLayout) -> dict:
     """Refuse to silently mix outputs of different configurations in one run directory."""
     manifest = read_json(layout.manifest) or {}
     recorded = manifest.get("stage_hashes", {}).get("embed")
-    current = job.stage_hash(*EMBED_SECTIONS)
+    current = embed_hash(job)
     if recorded and recorded != current:
         raise RunConflictError(
             f"output '{layout.output}' holds embeddings of a different configuration "
@@ -111,10 +131,12 @@ class _RunRecord:
                 "job_hash": job.stage_hash(),
                 "job": job.model_dump(mode="json"),
                 "versions": _versions(),
-                "stage_hashes": {"embed": job.stage_hash(*EMBED_SECTIONS)},
+                "stage_hashes": {"embed": embed_hash(job)},
             }
         )
         manifest.setdefault("stages", {})
+        manifest["shards"] = {"failed": [], "changed": [], "duplicate_keys": {}}
+        self.stage = "the embed pass (round 0)"  # what runs now, for error messages
         logger.debug(f"versions: {manifest['versions']}")
         write_json_atomic(manifest, layout.manifest)
         self.metrics = read_json(layout.metrics) or {}
@@ -138,6 +160,17 @@ class _RunRecord:
     def write_metrics(self) -> None:
         write_json_atomic(self.metrics, self.layout.metrics)
 
+    def note_shards(self, kind: str, value) -> None:
+        """Record failed / changed shards or duplicate keys in the manifest and metrics."""
+        shards = self.manifest["shards"]
+        if isinstance(shards[kind], list):
+            shards[kind].extend(value)
+        else:
+            shards[kind] = value
+        self.metrics["shards"] = shards
+        write_json_atomic(self.manifest, self.layout.manifest)
+        self.write_metrics()
+
 
 def run_job(job: JobConfig) -> dict:
     """Run the pipeline for `job` on Ray and return the metrics written to metrics.json.
@@ -149,6 +182,9 @@ def run_job(job: JobConfig) -> dict:
         ShardPatternError: the input pattern matches no file.
         ModelLoadError: model name/weights unusable (checked before Ray starts).
         RunConflictError: the output directory belongs to another configuration.
+        ShardFailuresError: more shards could not be read than input.max_failed_shards allows.
+        RunFailedError: a stage failed (inside a Ray task or worker); one paragraph naming
+            the stage, the cause and what to do, the traceback in <output>/logs/.
     """
     from pipeline.runtime import init_ray
 
@@ -167,21 +203,103 @@ def run_job(job: JobConfig) -> dict:
         f"output {layout.output}"
     )
     run = _RunRecord(job, layout, manifest)
+    try:
+        _run_stages(job, layout, shard_paths, views, run)
+    except (ShardFailuresError, RunConflictError):
+        raise
+    except Exception as exc:
+        from pipeline.config import JobConfigError
 
+        if isinstance(exc, JobConfigError):
+            raise
+        raise explain_failure(exc, run.stage, layout.output) from exc
+    return run.metrics
+
+
+def _run_stages(job, layout: RunLayout, shard_paths, views, run: _RunRecord) -> None:
     # 1. Embed every pair with the initial model; this pass also records the quarantine.
     embed = _embed(job, layout, shard_paths, 0, views)
     run.record("embed", 0, "embed", embed)
-    _log_summary(embed, layout)
+    log_embed_summary(embed, layout)
+    # 1b. Only the shards it completed go on; keys repeated across shards are quarantined.
+    run.stage = "the corpus-wide key check"
+    usable = _admit_shards(job, layout, shard_paths, embed, run)
     # 2. Warm up models A and B (round 0 training).
-    checkpoints = _warm_up(job, layout, shard_paths, run)
+    run.stage = "the warm-up (round 0 training)"
+    usable = _still_there(layout, usable, run)
+    checkpoints = _warm_up(job, layout, usable, run)
     # 3. Co-teaching rounds, then the final round's labels, published (4).
-    last = _coteach_rounds(job, layout, shard_paths, run, checkpoints)
-    _publish(job, layout, shard_paths, run, last)
+    last = _coteach_rounds(job, layout, usable, run, checkpoints)
+    run.stage = "publishing the labels"
+    _publish(job, layout, usable, run, last)
     # 5. The HTML report (loss histogram with fits, label histograms, galleries).
     from pipeline.report import write_report
 
+    run.stage = "the report"
     logger.info(f"report: {write_report(layout.output)}")
-    return run.metrics
+
+
+def _admit_shards(job, layout: RunLayout, shard_paths, embed: dict, run: _RunRecord) -> list:
+    """The shards the round-0 embed pass completed, after the corpus-wide key check.
+
+    Raises ShardFailuresError when more failed than input.max_failed_shards allows.
+    """
+    from pipeline.stages.dedup import run_key_check
+
+    sizes = _shard_sizes(layout, 0, shard_paths)
+    errors = {f["path"]: f["error"] for f in embed["shards_failed"]}
+    failed = [
+        {"shard": shard_name(p), "path": p, "error": errors.get(p, "no embeddings")}
+        for p in shard_paths
+        if shard_name(p) not in sizes
+    ]
+    run.note_shards("failed", failed)
+    allowed = job.input.failed_shards_allowed(len(shard_paths))
+    listing = "\n".join(f"  {f['path']}: {f['error']}" for f in failed)
+    if len(failed) > allowed:
+        raise ShardFailuresError(
+            f"{len(failed)} of {len(shard_paths)} shards could not be read, more than "
+            f"input.max_failed_shards={job.input.max_failed_shards} allows ({allowed}); the "
+            f"run stopped after the embed pass:\n{listing}\nFix or remove these shards, or "
+            "raise input.max_failed_shards, and rerun: the shards already embedded are kept."
+        )
+    if failed:
+        logger.warning(
+            f"{len(failed)} shard(s) could not be read and are left out of this run (the next "
+            f"run retries them):\n{listing}"
+        )
+    usable = [p for p in shard_paths if shard_name(p) in sizes]
+    keys = run_key_check(layout.output, [shard_name(p) for p in usable])
+    run.record("keys", 0, "keys", keys)
+    run.note_shards("duplicate_keys", keys["by_shard"])
+    return usable
+
+
+def _still_there(layout: RunLayout, shard_paths: list[str], run: _RunRecord) -> list[str]:
+    """`shard_paths` less the shards missing or resized since the embed pass (reported)."""
+    import pyarrow.parquet as pq
+
+    from pipeline.io.admitted import SHARD_BYTES_KEY, changed_shards
+
+    recorded = {}
+    for path in shard_paths:
+        meta = pq.read_metadata(layout.embeddings(0, shard_name(path))).metadata or {}
+        size = meta.get(SHARD_BYTES_KEY.encode())
+        recorded[shard_name(path)] = (path, int(size) if size else None)
+    changed = changed_shards(recorded)
+    return _leave_out(shard_paths, changed, run)
+
+
+def _leave_out(shard_paths: list[str], changed: dict[str, str], run: _RunRecord) -> list[str]:
+    if not changed:
+        return shard_paths
+    run.note_shards("changed", [{"shard": s, "error": e} for s, e in changed.items()])
+    logger.warning(
+        f"{len(changed)} shard(s) changed or disappeared after the embed pass and are left out "
+        "of the rest of this run (rerun to embed them again):\n"
+        + "\n".join(f"  {error}" for error in changed.values())
+    )
+    return [p for p in shard_paths if shard_name(p) not in changed]
 
 
 def _warm_up(job: JobConfig, layout: RunLayout, shard_paths: list[str], run: _RunRecord):
@@ -193,7 +311,7 @@ def _warm_up(job: JobConfig, layout: RunLayout, shard_paths: list[str], run: _Ru
     warmup = run_training(warmup_spec(job, layout, shard_paths))
     run.record("warmup", 0, "train", warmup)
     run.rounds["0"]["retrieval"] = warmup.get("retrieval")
-    _log_warmup(warmup)
+    log_warmup(warmup)
     return {view: info["checkpoint"] for view, info in warmup["views"].items()}
 
 
@@ -206,8 +324,13 @@ def _coteach_rounds(job, layout, shard_paths, run: _RunRecord, checkpoints: dict
 
     last = job.train.rounds + 1
     for round_index in range(1, last + 1):
+        run.stage = f"the embed pass of round {round_index}"
+        shard_paths = _still_there(layout, shard_paths, run)
         embedded = _embed(job, layout, shard_paths, round_index, round_models(job, checkpoints))
         run.record("embed", round_index, "embed", embedded)
+        changed = {c["shard"]: c["error"] for c in embedded["shards_changed"]}
+        shard_paths = _leave_out(shard_paths, changed, run)
+        run.stage = f"the label passes of round {round_index}"
         for view, trainee in (("a", "b"), ("b", "a")):
             spec = LabelSpec.from_job(
                 job, round_index=round_index, view=view, shard_paths=shard_paths,
@@ -216,11 +339,13 @@ def _coteach_rounds(job, layout, shard_paths, run: _RunRecord, checkpoints: dict
             run.record(f"labels_{view}", round_index, f"labels_{view}", run_label_pass(spec))
         if round_index == last:
             break
+        run.stage = f"co-teaching training, round {round_index}"
+        shard_paths = _still_there(layout, shard_paths, run)
         trained = run_training(coteach_spec(job, layout, shard_paths, round_index, checkpoints))
         run.record("train", round_index, "train", trained)
         run.rounds[str(round_index)]["retrieval"] = trained.get("retrieval")
         checkpoints = {view: info["checkpoint"] for view, info in trained["views"].items()}
-        _log_round(trained)
+        log_round(trained)
     return last
 
 
@@ -240,7 +365,7 @@ def _publish(job, layout, shard_paths, run: _RunRecord, last: int) -> None:
     run.metrics["labels"] = published
     run.metrics["coteaching"] = coteaching_table(job, run.rounds, published)
     run.write_metrics()
-    _log_coteaching(run.metrics["coteaching"], job)
+    log_coteaching(run.metrics["coteaching"], job)
     logger.info(f"labels: {layout.labels_dir}/ (read with pipeline.read_labels('{layout.output}'))")
 
 
@@ -443,98 +568,3 @@ def coteaching_table(job: JobConfig, rounds: dict, published: dict) -> list[dict
         rows[-1]["auroc_combined"] = combined.get("auroc")
         rows[-1]["spearman_combined"] = combined.get("spearman")
     return rows
-
-
-def _log_round(summary: dict) -> None:
-    retrieval = summary.get("retrieval") or {}
-    shown = ", ".join(f"{name} {r['rsum']:.1f}" for name, r in retrieval.items())
-    views = []
-    for view, info in summary["views"].items():
-        if not info["history"]:
-            continue
-        last = info["history"][-1]
-        proxies = f", {last['proxy_pairs']} proxy pairs" if last.get("proxy_pairs") else ""
-        views.append(
-            f"{view} InfoNCE over all pairs unweighted {last['loss']:.3f}, mean pair weight "
-            f"{last.get('mean_weight', float('nan')):.2f}{proxies}"
-        )
-    logger.info(
-        f"co-teaching round {summary['round']} (last epoch): {'; '.join(views)}"
-        + (f"; held-out rSum {shown}" if shown else "")
-    )
-
-
-def _log_coteaching(rows: list[dict], job: JobConfig) -> None:
-    def cell(value) -> str:
-        return "    -" if value is None else f"{value:5.3f}"
-
-    def rsum(value) -> str:
-        return "     -" if value is None else f"{value:6.1f}"
-
-    lines = [
-        "",
-        f"co-teaching ({job.train.mode}, labels {job.labels.method}): label AUROC per view and "
-        "held-out rSum per model generation",
-        "  models               AUROC a  AUROC b    rSum A  rSum B  rSum A+B",
-    ]
-    for row in rows:
-        name = "warmed up" if row["models"] == 0 else f"after round {row['models']}"
-        lines.append(
-            f"  {name:<20} {cell(row['auroc_a'])}    {cell(row['auroc_b'])}   "
-            f"{rsum(row['rsum_A'])}  {rsum(row['rsum_B'])}  {rsum(row['rsum_A+B'])}"
-        )
-    if rows and rows[-1].get("auroc_combined") is not None:
-        lines.append(
-            f"  published labels (mean of a and b): AUROC {rows[-1]['auroc_combined']:.3f}"
-        )
-    logger.info("\n".join(lines))
-
-
-def _log_warmup(summary: dict) -> None:
-    lines = ["", "warm-up"]
-    for view, info in summary["views"].items():
-        last = info["history"][-1] if info["history"] else {}
-        reason = (info.get("warmup") or {}).get("reason", "")
-        lines.append(
-            f"  model {view}: {info['epochs']} epochs, {info['steps']} steps, last loss "
-            f"{last.get('loss', float('nan')):.3f}; kept epoch {info['kept_epoch']} ({reason})"
-        )
-    retrieval = summary.get("retrieval")
-    if retrieval:
-        lines.append(
-            "  retrieval on the test split (R@1/R@5/R@10 image->text | text->image, rSum):"
-        )
-        for name, r in retrieval.items():
-            lines.append(
-                f"    {name:>4}: {r['i2t_r1']:.1f}/{r['i2t_r5']:.1f}/{r['i2t_r10']:.1f} | "
-                f"{r['t2i_r1']:.1f}/{r['t2i_r5']:.1f}/{r['t2i_r10']:.1f}, rSum {r['rsum']:.1f}"
-            )
-    logger.info("\n".join(lines))
-
-
-def _log_summary(embed: dict, layout: RunLayout) -> None:
-    reasons = ", ".join(f"{k}: {v}" for k, v in embed["quarantined_by_reason"].items()) or "none"
-    rate = embed["pairs_per_second"]
-    lines = [
-        "",
-        "summary",
-        f"  shards:       {embed['shards']} ({embed['shards_skipped']} already complete)",
-        f"  samples read: {embed['records_read']} (this run)",
-        f"  embedded:     {embed['embedded']}",
-        f"  quarantined:  {embed['quarantined']} ({reasons})",
-    ]
-    if embed["ignored_members"]:
-        ignored = ", ".join(f".{k}: {v}" for k, v in embed["ignored_members"].items())
-        lines.append(f"  ignored tar members (never decoded): {ignored}")
-    if rate:
-        lines.append(f"  throughput:   {rate:.0f} pairs/s over {embed['seconds']:.1f}s")
-    for broken in embed["shards_truncated"]:
-        lines.append(
-            f"  TRUNCATED shard {broken['path']}: {broken['error']} (samples before the break kept)"
-        )
-    for failure in embed["shards_failed"]:
-        lines.append(f"  FAILED shard {failure['path']}: {failure['error']} (rerun to retry)")
-    lines.append(
-        f"  outputs:      {layout.embeddings_dir(0)}/, {layout.quarantine_dir}/, {layout.metrics}"
-    )
-    logger.info("\n".join(lines))

@@ -88,18 +88,21 @@ def test_embed_pass_writes_tables_that_reconcile(local_ray, corpus, tmp_path, ca
     summaries = [
         record.getMessage()
         for record in caplog.records
-        if record.name == "pipeline.runner" and record.getMessage().startswith("\nsummary\n")
+        if record.name == "pipeline.run_summary" and record.getMessage().startswith("\nsummary\n")
     ]
     assert len(summaries) == 1 and f"  embedded:     {embed['embedded']}\n" in summaries[0]
     assert f"FAILED shard {corpus['garbage']}" in summaries[0]
 
     embeddings = ds.dataset(out / "rounds" / "0" / "embeddings", format="parquet").to_table()
     quarantine = ds.dataset(out / "quarantine", format="parquet").to_table()
-    assert embeddings.num_rows == embed["embedded"]
-    assert quarantine.num_rows == embed["quarantined"]
+    # The fixture shard reuses keys of shard 00000: the corpus-wide key check keeps them there
+    # and quarantines them in 00077 as duplicate_key (member null, detail naming 00000).
+    crossed = metrics["rounds"]["0"]["keys"]["by_shard"]
+    assert set(crossed) == {"00077"}
+    assert embeddings.num_rows == embed["embedded"] - crossed["00077"]
+    assert quarantine.num_rows == embed["quarantined"] + crossed["00077"]
 
-    # Every sample of the input is in exactly one of the two tables.
-    # (The fixture shard reuses keys of shard 00000, so identity here is (shard, key).)
+    # Every sample of the input is in exactly one of the two tables (identity: (shard, key)).
     emb_keys = list(
         zip(
             embeddings.column("shard").to_pylist(),
@@ -111,21 +114,33 @@ def test_embed_pass_writes_tables_that_reconcile(local_ray, corpus, tmp_path, ca
     q_keys = [
         (r["shard"], r["key"])
         for r in q_rows
-        if r["key"] is not None and r["reason"] != "duplicate_key"
+        if r["key"] is not None and (r["reason"] != "duplicate_key" or r["member"] is None)
     ]
     assert len(set(emb_keys)) == len(emb_keys)
     assert not set(emb_keys) & set(q_keys)
     # A repeated key keeps its first sample; the repeat is quarantined under the same key.
-    duplicates = {(r["shard"], r["key"]) for r in q_rows if r["reason"] == "duplicate_key"}
-    assert duplicates and duplicates <= set(emb_keys)
+    duplicates = {
+        (r["shard"], r["key"])
+        for r in q_rows
+        if r["reason"] == "duplicate_key" and r["member"] is not None
+    }
+    # (or, for a key shard 00000 also has, in that shard: then both 00077 groups are quarantined)
+    assert duplicates and duplicates <= set(emb_keys) | set(q_keys)
     assert set(emb_keys) | set(q_keys) == _all_keys(corpus["shards"][:-1])
 
     # The corrupt fixture shard: its reasons are all there, counted exactly.
     bad = quarantine.filter(pa.compute.equal(quarantine.column("shard"), "00077")).to_pandas()
     expected = corpus["corrupt_expected"]
-    assert bad["reason"].astype(str).value_counts().to_dict() == expected["reasons"]
+    reasons = dict(expected["reasons"])
+    reasons["duplicate_key"] = reasons.get("duplicate_key", 0) + crossed["00077"]
+    assert bad["reason"].astype(str).value_counts().to_dict() == reasons
+    assert (
+        bad[bad["member"].isna() & (bad["reason"] == "duplicate_key")]["detail"]
+        .str.contains("'00000'")
+        .all()
+    )
     bad_emb = embeddings.filter(pa.compute.equal(embeddings.column("shard"), "00077"))
-    assert bad_emb.num_rows == expected["good"]
+    assert bad_emb.num_rows == expected["good"] - crossed["00077"]
 
     # The unreadable shard is reported with its path, not embedded, and quarantined as a shard.
     assert [f["path"] for f in embed["shards_failed"]] == [corpus["garbage"]]

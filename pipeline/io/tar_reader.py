@@ -12,11 +12,15 @@ Contract (part of :mod:`pipeline.io.shards`, docs/architecture.md §4.1):
 * Unsafe names (absolute, ``..``) and links that would provide an allow-listed member reject
   their sample as ``unsafe_member``; other non-regular members are ignored and counted.
 * A shard that cannot be opened at all raises :class:`ShardReadError`.
+* The bytes are hashed as they stream past: after a complete read, :attr:`ShardReadStats.size`
+  and :attr:`ShardReadStats.sha256` fingerprint the file as read (trailing padding after the
+  end-of-archive marker included), so a later reader can tell the same shard from a changed one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import re
 import subprocess
 import tarfile
@@ -54,6 +58,28 @@ class ShardReadStats:
     ignored_members: dict[str, int] = field(default_factory=dict)  # ext or "<type>" -> count
     rejected: dict[str, int] = field(default_factory=dict)  # reader reason -> count
     error: str | None = None  # set when the shard broke mid-way (see truncated_shard)
+    size: int | None = None  # bytes of the file as read (set after a complete read)
+    sha256: str | None = None  # hex sha256 of those bytes (set after a complete read)
+
+
+class _HashingReader:
+    """A read-only stream that hashes and counts every byte read through it."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.raw.read(size)
+        self.digest.update(data)
+        self.size += len(data)
+        return data
+
+    def drain(self, chunk: int = 1 << 20) -> None:
+        """Read (and hash) whatever the tar reader left unread: the padding after the end."""
+        while self.read(chunk):
+            pass
 
 
 # --------------------------------------------------------------------------- members
@@ -323,7 +349,8 @@ def iter_shard_records(
     """
     stats = stats if stats is not None else ShardReadStats()
     shard = shard_name(path)
-    with _open_stream(path, allow_pipe) as (fileobj, proc):
+    with _open_stream(path, allow_pipe) as (raw, proc):
+        fileobj = _HashingReader(raw)
         try:
             # Closed by the with below; a failed open needs its own error naming the path.
             archive = tarfile.open(  # noqa: SIM115
@@ -335,8 +362,14 @@ def iter_shard_records(
             error, last_good, pending_key = yield from _iter_archive(
                 archive, shard, stats, max_member_bytes
             )
+        if error is None:
+            try:
+                fileobj.drain()
+                stats.size, stats.sha256 = fileobj.size, fileobj.digest.hexdigest()
+            except Exception as exc:  # transport failure in the padding: the read is incomplete
+                error = f"{type(exc).__name__}: {exc}"
         if error is None and proc is not None:
-            fileobj.close()
+            raw.close()
             returncode = proc.wait()
             if returncode != 0:
                 error = f"pipe command exited with status {returncode}"

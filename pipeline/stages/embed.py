@@ -16,6 +16,9 @@ Contract:
   RCR de-duplicates images (docs/methods.md §6.3), and `uid` (the json's 128-bit `uid`, else the
   first 128 bits of sha256(key); `pipeline.io.labels.uid_of`), which the published label table
   carries for joins by a stable id.
+- Round 0 records the tar's fingerprint (size, sha256 of the bytes as streamed) in the table's
+  footer; its keys are what later stages may use (`pipeline.io.admitted`). Rounds >= 1 embed
+  only those keys and write nothing for a shard whose fingerprint changed (`changed`).
 
 Why a shard per call: the output is per shard (atomic, resumable, one quarantine file per
 shard) and a shard's samples stay together, so no shuffle or group-by is needed. Decoding runs
@@ -38,6 +41,13 @@ import torch
 
 from pipeline.config import EmbedConfig
 from pipeline.core.losses import fixed_size_loss_batches, infonce_per_sample, triplet_per_sample
+from pipeline.io.admitted import (
+    SHARD_BYTES_KEY,
+    SHARD_SHA256_KEY,
+    ShardReference,
+    fingerprint_change,
+    read_reference,
+)
 from pipeline.io.labels import uid_of
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import (
@@ -69,6 +79,9 @@ SUMMARY_COLUMNS = (
     "seconds",
     "error",  # the shard could not be read at all: nothing written but quarantine; rerun retries
     "warning",  # the tar broke part-way: samples before the break are kept, the break quarantined
+    "changed",  # rounds >= 1: the tar is not the file round 0 read (nothing written)
+    "bytes",  # the tar's size as read (-1 when not read completely)
+    "sha256",  # the tar's sha256 as read ("" when not read completely)
 )
 
 
@@ -192,6 +205,38 @@ def _quarantine_table(rejections: list[Rejection]) -> pa.Table:
     )
 
 
+def _read_shard(
+    path: str,
+    spec: EmbedSpec,
+    models: dict[str, LoadedClip],
+    pool: ThreadPoolExecutor,
+    stats: ShardReadStats,
+    admitted: frozenset[str] | None,
+) -> _ShardBuffers:
+    """Stream, decode and embed one shard; only `admitted` keys when given (rounds >= 1)."""
+    buffers = _ShardBuffers()
+    first_model = next(iter(models.values()))
+    pending = None  # futures of the chunk being decoded while the previous one is embedded
+    chunk: list = []
+    for item in iter_shard_records(path, stats):
+        if admitted is not None and item.key not in admitted:
+            continue  # quarantined or a corpus-wide duplicate in round 0
+        if isinstance(item, Rejection):
+            buffers.rejections.append(item)
+            continue
+        chunk.append(item)
+        if len(chunk) == spec.embed.batch_size:
+            futures = _decode_chunk(chunk, spec, first_model, pool)
+            if pending is not None:
+                _embed_decoded(pending, buffers, models)
+            pending, chunk = futures, []
+    tail = _decode_chunk(chunk, spec, first_model, pool) if chunk else None
+    for futures in (pending, tail):
+        if futures is not None:
+            _embed_decoded(futures, buffers, models)
+    return buffers
+
+
 def embed_shard(
     path: str,
     spec: EmbedSpec,
@@ -203,40 +248,30 @@ def embed_shard(
     shard = shard_name(path)
     layout = RunLayout(spec.output)
     stats = ShardReadStats()
-    buffers = _ShardBuffers()
-    first_model = next(iter(models.values()))
-    error = ""
+    reference: ShardReference | None = None
+    if spec.round_index > 0:
+        reference = read_reference(layout.embeddings(0, shard))
+    error = changed = ""
     try:
-        pending = None  # futures of the chunk being decoded while the previous one is embedded
-        chunk: list = []
-        for item in iter_shard_records(path, stats):
-            if isinstance(item, Rejection):
-                buffers.rejections.append(item)
-                continue
-            chunk.append(item)
-            if len(chunk) == spec.embed.batch_size:
-                futures = _decode_chunk(chunk, spec, first_model, pool)
-                if pending is not None:
-                    _embed_decoded(pending, buffers, models)
-                pending, chunk = futures, []
-        tail = _decode_chunk(chunk, spec, first_model, pool) if chunk else None
-        for futures in (pending, tail):
-            if futures is not None:
-                _embed_decoded(futures, buffers, models)
+        buffers = _read_shard(
+            path, spec, models, pool, stats, reference.keys if reference else None
+        )
     except ShardReadError as exc:
         # Nothing of this shard can be trusted: record it, write no embeddings (a rerun retries).
         error = str(exc)
         buffers = _ShardBuffers(
             rejections=[Rejection(None, shard, None, "unreadable_shard", error)]
         )
+    if reference is not None and not error:
+        changed = fingerprint_change(path, reference, stats.size, stats.sha256) or ""
 
     n = len(buffers.keys)
     if spec.write_quarantine:
         write_table_atomic(
             _quarantine_table(buffers.rejections), layout.quarantine(shard), QUARANTINE_SCHEMA
         )
-    if not error:
-        _write_embeddings(shard, spec, models, buffers, layout)
+    if not error and not changed:
+        _write_embeddings(shard, spec, models, buffers, layout, stats)
 
     reasons = Counter(r.reason for r in buffers.rejections)
     return {
@@ -251,6 +286,9 @@ def embed_shard(
         "seconds": time.perf_counter() - started,
         "error": error,
         "warning": "" if error else (stats.error or ""),
+        "changed": changed,
+        "bytes": stats.size if stats.size is not None else -1,
+        "sha256": stats.sha256 or "",
     }
 
 
@@ -260,6 +298,7 @@ def _write_embeddings(
     models: dict[str, LoadedClip],
     buffers: _ShardBuffers,
     layout: RunLayout,
+    stats: ShardReadStats,
 ) -> None:
     n = len(buffers.keys)
     rng = np.random.default_rng([spec.seed, spec.round_index, zlib.crc32(shard.encode())])
@@ -278,6 +317,9 @@ def _write_embeddings(
         "ncl.batch_size": str(spec.embed.batch_size),
         "ncl.seed": str(spec.seed),
     }
+    if stats.sha256 is not None:  # the file as read: later readers check they read the same
+        metadata[SHARD_BYTES_KEY] = str(stats.size)
+        metadata[SHARD_SHA256_KEY] = stats.sha256
     dim = 0
     batch_ids = np.zeros(n, dtype=np.int32)
     for view, loaded in models.items():
@@ -318,6 +360,7 @@ class _PassTally:
     ignored: Counter = field(default_factory=Counter)
     failed: list[dict] = field(default_factory=list)
     truncated: list[dict] = field(default_factory=list)
+    changed: list[dict] = field(default_factory=list)
 
     def add(self, row: dict) -> tuple[int, str]:
         """Count one shard's summary row; returns (log level, status) for its log line."""
@@ -332,7 +375,12 @@ class _PassTally:
         self.ignored.update(json.loads(row["ignored_members"]))
         status = f"FAILED ({row['error']})" if row["error"] else "ok"
         level = logging.WARNING if row["error"] or row["warning"] else logging.INFO
-        if row["error"]:
+        if row["changed"]:
+            status, level = f"CHANGED ({row['changed']}; left out)", logging.WARNING
+            self.changed.append(
+                {"shard": row["shard"], "path": row["path"], "error": row["changed"]}
+            )
+        elif row["error"]:
             self.failed.append({"shard": row["shard"], "path": row["path"], "error": row["error"]})
         elif row["warning"]:
             status = f"TRUNCATED ({row['warning']})"
@@ -426,6 +474,7 @@ def run_embed_pass(spec: EmbedSpec, shard_paths: list[str]) -> dict:
         "shards_skipped": skipped,
         "shards_failed": tally.failed,
         "shards_truncated": tally.truncated,
+        "shards_changed": tally.changed,
         "records_read": totals["records"],
         "embedded": totals["embedded"],
         "quarantined": totals["quarantined"],

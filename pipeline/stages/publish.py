@@ -187,6 +187,19 @@ def combine_shard(
     return summary
 
 
+def _remove_unlisted(out_dir: str, shards) -> None:
+    """Delete label tables an earlier run published for shards this run left out (a shard that
+    failed, changed or vanished since): labels/ holds exactly the published shards."""
+    import fsspec
+
+    fs, _, _ = fsspec.get_fs_token_paths(out_dir)
+    listed = {f"{name}.parquet" for name in shards}
+    for path in fs.glob(f"{out_dir}/*.parquet"):
+        if path.rsplit("/", 1)[-1] not in listed:
+            logger.warning(f"labels: removing {path} (its shard is not part of this run's labels)")
+            fs.rm(path)
+
+
 def publish_labels(
     sources: dict[str, str],
     shards: list[str] | tuple[str, ...],
@@ -230,6 +243,7 @@ def publish_labels(
     results = ray.get(
         [task.remote(s, sources, out_dir, ground_truth, embeddings_dir) for s in shards]
     )
+    _remove_unlisted(out_dir, shards)
     views = {view: read_json(f"{folder}/{SUMMARY_NAME}") or {} for view, folder in sources.items()}
     summary = {
         "round": round_index,

@@ -11,9 +11,12 @@ import numpy as np
 import torch
 
 from pipeline.core.coteach import Phase, coteach_phase, training_targets
+from pipeline.io.admitted import ShardChangedError, fingerprint_change, read_reference
+from pipeline.io.layout import RunLayout
 from pipeline.io.shards import (
     DecodeOptions,
     Rejection,
+    ShardReadStats,
     decode_record,
     iter_shard_records,
     shard_name,
@@ -121,22 +124,29 @@ def read_training_batches(
     view: ViewSpec,
     epoch: int,
     phase: Phase,
+    admitted_dir: str | None = None,
     rows_per_batch: int = 256,
 ) -> Iterator[dict[str, np.ndarray]]:
     """Ray Data UDF: shard paths in, decoded + preprocessed + labelled rows out (streamed).
 
-    Quarantined samples were recorded by the embed pass and are skipped here; a decodable
-    sample whose key is missing from the label table is skipped (it has no label to train on:
-    the oracle's table lists the clean pairs only).
+    Only the keys the round-0 embed pass admitted (`admitted_dir`/<shard>.parquet: not
+    quarantined, not a corpus-wide duplicate) are used; a decodable sample whose key is missing
+    from the label table is skipped (it has no label to train on: the oracle's table lists the
+    clean pairs only). A shard whose bytes differ from what the embed pass read raises
+    `ShardChangedError` before any of its rows is used.
     """
     preprocess, tokenizer = load_transforms(model)
     for path in batch["path"]:
         path = str(path)
         shard = shard_name(path)
         labels = _read_shard_labels(view, shard)
+        reference = read_reference(f"{admitted_dir}/{shard}.parquet") if admitted_dir else None
         samples = []
-        for record in iter_shard_records(path):
+        stats = ShardReadStats()
+        for record in iter_shard_records(path, stats):
             if isinstance(record, Rejection):
+                continue
+            if reference is not None and record.key not in reference.keys:
                 continue
             sample = decode_record(record, decode)
             if isinstance(sample, Rejection):
@@ -144,6 +154,9 @@ def read_training_batches(
             if labels is not None and sample.key not in labels.row:
                 continue
             samples.append(sample)
+        changed = reference and fingerprint_change(path, reference, stats.size, stats.sha256)
+        if changed:
+            raise ShardChangedError(f"{changed}; rerun to embed it again")
         if labels is None:
             weights = np.ones(len(samples), dtype=np.float32)
             reliable = np.zeros(len(samples), dtype=bool)
@@ -199,6 +212,7 @@ def epoch_batches(spec: TrainSpec, view: ViewSpec, epoch: int, rank: int, world:
             "view": view,
             "epoch": epoch,
             "phase": epoch_phase(spec, view, epoch),
+            "admitted_dir": RunLayout(spec.output).embeddings_dir(0),
         },
     )
     return dataset.iter_torch_batches(

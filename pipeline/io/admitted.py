@@ -1,0 +1,103 @@
+"""What the round-0 embed pass admitted of a shard, and whether the shard is still that file.
+
+Contract (docs/architecture.md §4.1, "Broken, changed and repeated shards"):
+
+* The round-0 embeddings table `rounds/0/embeddings/<shard>.parquet` is the shard's admission
+  record: its `key` column lists the samples every later stage may use (decoded, not
+  quarantined, not a corpus-wide duplicate), and its footer records the tar's fingerprint as
+  the embed pass read it: `ncl.shard_bytes` (size) and `ncl.shard_sha256` (content hash).
+* Every later reader of the tar (the embed pass of rounds >= 1, training) keeps only the admitted
+  keys and compares the fingerprint of what it read with the recorded one: a changed shard is
+  never mixed with its earlier embeddings or labels (:class:`ShardChangedError`).
+* The driver checks, before each stage that reads tars, that every shard still exists with its
+  recorded size (:func:`changed_shards`, one ``stat`` per shard); a missing or resized shard is
+  left out of the rest of the run and reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "SHARD_BYTES_KEY",
+    "SHARD_SHA256_KEY",
+    "ShardChangedError",
+    "ShardReference",
+    "changed_shards",
+    "fingerprint_change",
+    "read_reference",
+]
+
+SHARD_BYTES_KEY = "ncl.shard_bytes"
+SHARD_SHA256_KEY = "ncl.shard_sha256"
+
+
+class ShardChangedError(RuntimeError):
+    """A shard's bytes differ from what the embed pass read; the message names the shard."""
+
+
+@dataclass(frozen=True)
+class ShardReference:
+    """A shard as the round-0 embed pass admitted it."""
+
+    keys: frozenset[str]
+    size: int | None  # None for tables written before fingerprints were recorded
+    sha256: str | None
+
+
+def read_reference(embeddings_path: str) -> ShardReference:
+    """The admitted keys and recorded fingerprint from a round-0 embeddings table."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(embeddings_path, columns=["key"])
+    meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+    size = meta.get(SHARD_BYTES_KEY)
+    return ShardReference(
+        keys=frozenset(table.column("key").to_pylist()),
+        size=int(size) if size else None,
+        sha256=meta.get(SHARD_SHA256_KEY) or None,
+    )
+
+
+def fingerprint_change(
+    path: str, reference: ShardReference, size: int | None, sha256: str | None
+) -> str | None:
+    """Why the shard read as (size, sha256) is not the one recorded, or None when it is."""
+    if reference.sha256 is None:
+        return None  # nothing recorded to compare with
+    if size is None or sha256 is None:
+        return f"shard {path!r} could not be read completely again after its embed pass"
+    if size != reference.size or sha256 != reference.sha256:
+        return (
+            f"shard {path!r} changed after its embed pass ({reference.size} bytes, sha256 "
+            f"{reference.sha256[:12]}... then; {size} bytes, sha256 {sha256[:12]}... now)"
+        )
+    return None
+
+
+def _size(path: str) -> int | None:
+    import fsspec
+
+    try:
+        fs, _, paths = fsspec.get_fs_token_paths(path)
+        return int(fs.info(paths[0])["size"])
+    except (FileNotFoundError, OSError, KeyError, ValueError):
+        return None
+
+
+def changed_shards(recorded: dict[str, tuple[str, int | None]]) -> dict[str, str]:
+    """{shard: why} for shards missing or resized since the embed pass.
+
+    Args:
+        recorded: shard name -> (path, size recorded by the embed pass; None: not recorded).
+    """
+    changed = {}
+    for shard, (path, size) in recorded.items():
+        if path.startswith("pipe:"):
+            continue  # a command's output has no size to check before reading it
+        now = _size(path)
+        if now is None:
+            changed[shard] = f"shard {path!r} disappeared after its embed pass"
+        elif size is not None and now != size:
+            changed[shard] = f"shard {path!r} changed size after its embed pass ({size} -> {now})"
+    return changed

@@ -1,0 +1,114 @@
+"""Failures a user reads: one plain paragraph on the console, the traceback in the run directory.
+
+A failure inside a Ray task, actor or Ray Train worker reaches the driver wrapped in Ray's own
+errors (`RayTaskError`, `WorkerGroupError`, ...), whose text is pages of Ray internals.
+`explain_failure` writes the whole chain to `<output>/logs/error-<time>.log` and returns a
+`RunFailedError` whose message names the stage, the underlying error (which names the shard or
+sample where the reader knows it) and what to do, and the log's path.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import traceback
+
+__all__ = ["RunFailedError", "ShardFailuresError", "explain_failure", "root_cause"]
+
+logger = logging.getLogger(__name__)
+
+
+class RunFailedError(RuntimeError):
+    """A stage of the run failed; the message is one paragraph meant for the user as is."""
+
+    def __init__(self, message: str, log_path: str | None = None) -> None:
+        super().__init__(message)
+        self.log_path = log_path
+
+
+class ShardFailuresError(RuntimeError):
+    """More shards failed to read than `input.max_failed_shards` allows."""
+
+
+def _inner(exc: BaseException) -> BaseException | None:
+    """The exception `exc` wraps, if any (Ray's wrappers first, then Python's chain)."""
+    for attribute in ("cause", "controller_failure"):
+        wrapped = getattr(exc, attribute, None)
+        if isinstance(wrapped, BaseException):
+            return wrapped
+    failures = getattr(exc, "worker_failures", None)
+    if isinstance(failures, dict) and failures:
+        return failures[min(failures)]
+    return exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception of `exc`'s wrapper and cause chain."""
+    seen = {id(exc)}
+    while (inner := _inner(exc)) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        exc = inner
+    return exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+
+
+def _advice(root: BaseException) -> str:
+    from pipeline.io.admitted import ShardChangedError
+    from pipeline.io.shards import ShardReadError
+
+    if isinstance(root, ShardChangedError):
+        return (
+            "A shard changed while the run used it: leave the input unchanged during a run, "
+            "then rerun (the changed shard is read again)."
+        )
+    if isinstance(root, ShardReadError | OSError):
+        return (
+            "Check that the shard named above is readable from every node (or remove it from "
+            "input.shards), then rerun."
+        )
+    if isinstance(root, MemoryError) or "OutOfMemory" in type(root).__name__:
+        return (
+            "A worker ran out of memory: lower train.batch_size or embed.batch_size, or give "
+            "the workers more memory, then rerun."
+        )
+    return "Fix the cause above if it is in the job or the data, then rerun."
+
+
+def _write_log(exc: BaseException, stage: str, output: str) -> str | None:
+    import fsspec
+
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = f"{output}/logs/error-{stamp}.log"
+    lines = [f"stage: {stage}\n", "\n"]
+    lines += traceback.format_exception(type(exc), exc, exc.__traceback__)
+    chained, seen = exc, {id(exc)}
+    while (inner := _inner(chained)) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        chained = inner
+        lines += ["\nwrapped:\n"] + traceback.format_exception(type(inner), inner, None)
+    try:
+        fs, _, _ = fsspec.get_fs_token_paths(path)
+        fs.makedirs(f"{output}/logs", exist_ok=True)
+        with fs.open(path, "w") as handle:
+            handle.write("".join(lines))
+    except OSError as error:
+        logger.debug(f"could not write {path}: {error}")
+        return None
+    return path
+
+
+def explain_failure(exc: BaseException, stage: str, output: str) -> RunFailedError:
+    """The one-paragraph error for a failure of `stage`; the traceback goes to a log file."""
+    root = root_cause(exc)
+    log_path = _write_log(exc, stage, output)
+    where = f" The full traceback is in {log_path}." if log_path else ""
+    message = (
+        f"{stage} failed: {_first_line(root)}. {_advice(root)} Finished stages are kept and "
+        f"skipped when the same job is run again.{where}"
+    )
+    return RunFailedError(message, log_path)

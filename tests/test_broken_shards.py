@@ -1,0 +1,232 @@
+"""Broken, changed and repeated shards (issue 14): a run publishes the good shards, stops when
+too many fail, keeps every key in one shard only, and explains worker failures in a paragraph."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import JobConfigError, load_job
+from pipeline.io.admitted import ShardReference, fingerprint_change, read_reference
+from pipeline.io.shards import ShardReadError, ShardReadStats, iter_shard_records
+from pipeline.run_errors import RunFailedError, explain_failure
+from pipeline.runner import ShardFailuresError, run_job
+
+JOB = """
+name: broken-shards
+input: {{shards: "{corpus}/*.tar"{extra}}}
+output: {output}
+model: {{name: ncl-tiny, pretrained: null}}
+embed: {{batch_size: 16, gpus_per_worker: 0, cpus_per_worker: 1, decode_threads: 1, concurrency: 1}}
+mixture: {{kind: gmm}}
+labels: {{method: bicro}}
+train: {{warmup_epochs: 1, rounds: 0, batch_size: 16, torch_threads: 1}}
+seed: 5
+"""
+
+HTML = b"<!DOCTYPE html><html><body><h1>503 Service Unavailable</h1></body></html>\n"
+
+
+def _job(tmp: Path, corpus: Path, name: str, extra: str = ""):
+    job_file = tmp / f"{name}.yaml"
+    job_file.write_text(JOB.format(corpus=corpus, output=tmp / name, extra=extra))
+    return load_job(job_file)
+
+
+@pytest.fixture(scope="module")
+def clean_corpus(tmp_path_factory) -> Path:
+    from pipeline.data.synthetic import make_corpus
+
+    root = tmp_path_factory.mktemp("broken") / "clean"
+    make_corpus(root, samples=180, samples_per_shard=30, test_samples=0, seed=11, image_size=32)
+    return root
+
+
+def _copy_shards(clean: Path, dest: Path) -> Path:
+    dest.mkdir(parents=True)
+    for tar in sorted(clean.glob("*.tar")):
+        shutil.copy(tar, dest / tar.name)
+    return dest
+
+
+def _sample_keys(path: Path) -> set[str]:
+    return {r.key for r in iter_shard_records(str(path)) if r.key is not None}
+
+
+def _account(out: Path, readable: dict[str, set[str]]) -> None:
+    """labels/ + quarantine/ hold every sample of every readable shard exactly once."""
+    seen_label_keys: set[str] = set()
+    for shard, keys in readable.items():
+        labelled = pq.read_table(out / "labels" / f"{shard}.parquet").column("key").to_pylist()
+        quarantine = pq.read_table(out / "quarantine" / f"{shard}.parquet")
+        quarantined = [k for k in quarantine.column("key").to_pylist() if k is not None]
+        assert sorted(labelled + quarantined) == sorted(keys), shard
+        assert not seen_label_keys & set(labelled), f"a key of {shard} is in two label files"
+        seen_label_keys |= set(labelled)
+    assert sorted(p.stem for p in (out / "labels").glob("*.parquet")) == sorted(readable)
+
+
+# ------------------------------------------------------------------------------- fast checks
+
+
+def test_max_failed_shards_is_a_count_or_a_fraction(tmp_path):
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    assert _job(tmp_path, corpus, "a").input.failed_shards_allowed(10) == 1  # 5 %, rounded up
+    job = _job(tmp_path, corpus, "b", ", max_failed_shards: 3")
+    assert job.input.failed_shards_allowed(1000) == 3
+    job = _job(tmp_path, corpus, "c", ", max_failed_shards: 0.1")
+    assert job.input.failed_shards_allowed(1000) == 100
+    with pytest.raises(JobConfigError, match="max_failed_shards"):
+        _job(tmp_path, corpus, "d", ", max_failed_shards: 1.5")
+
+
+def test_the_reader_fingerprints_the_bytes_it_read(clean_corpus, tmp_path):
+    plain = clean_corpus / "00000.tar"
+    packed = tmp_path / "00000.tar"  # gzip-compressed, still named .tar
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    for path in (plain, packed):
+        stats = ShardReadStats()
+        keys = [r.key for r in iter_shard_records(str(path), stats)]
+        assert len(keys) == 30 and not stats.error
+        data = path.read_bytes()
+        assert (stats.size, stats.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    data = packed.read_bytes()
+    reference = ShardReference(frozenset(), len(data), hashlib.sha256(data).hexdigest())
+    assert fingerprint_change(str(plain), reference, stats.size, stats.sha256) is None
+    changed = fingerprint_change(str(plain), reference, stats.size + 1, "0" * 64)
+    assert changed and "changed after its embed pass" in changed
+
+
+def test_a_worker_failure_is_one_paragraph_and_a_log_file(local_ray, tmp_path):
+    broken = tmp_path / "00042.tar"
+    broken.write_bytes(HTML)
+
+    @local_ray.remote(max_retries=0)
+    def read(path):
+        return list(iter_shard_records(path))
+
+    with pytest.raises(Exception) as caught:
+        local_ray.get(read.remote(str(broken)))
+    error = explain_failure(caught.value, "the warm-up (round 0 training)", str(tmp_path / "run"))
+    assert isinstance(error, RunFailedError)
+    message = str(error)
+    assert "\n" not in message and "Traceback" not in message
+    assert message.startswith("the warm-up (round 0 training) failed: ShardReadError")
+    assert str(broken) in message and error.log_path in message
+    log = Path(error.log_path).read_text()
+    assert "Traceback" in log and "ShardReadError" in log
+
+
+# ------------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_broken_shards_are_left_out_and_repeated_keys_kept_once(
+    local_ray, clean_corpus, tmp_path, monkeypatch
+):
+    import pipeline.stages.dedup as dedup
+
+    monkeypatch.setattr(dedup, "KEYS_PER_PARTITION", 50)  # several hash partitions
+    corpus = _copy_shards(clean_corpus, tmp_path / "corpus")
+    (corpus / "00006.tar").write_bytes(b"")  # an interrupted download
+    (corpus / "00007.tar").write_bytes(HTML)  # an error page saved as a shard
+    packed = gzip.compress((corpus / "00005.tar").read_bytes())
+    (corpus / "00005.tar").write_bytes(packed)  # gzip-compressed, named .tar: valid
+    shutil.copy(corpus / "00002.tar", corpus / "00009.tar")  # two downloads merged
+
+    # Two of ten shards fail: more than the default 5 % allows -> stop after the embed pass.
+    job = _job(tmp_path, corpus, "run")
+    with pytest.raises(ShardFailuresError) as stopped:
+        run_job(job)
+    assert "00006.tar" in str(stopped.value) and "00007.tar" in str(stopped.value)
+    assert not (tmp_path / "run" / "labels").exists()
+    assert (tmp_path / "run" / "rounds" / "0" / "embeddings" / "00009.parquet").exists()
+
+    # Allowed: the same output resumes, retries the two and publishes the other eight.
+    metrics = run_job(_job(tmp_path, corpus, "run", ", max_failed_shards: 2"))
+    out = tmp_path / "run"
+    for failed in ("00006", "00007"):
+        rows = pq.read_table(out / "quarantine" / f"{failed}.parquet").to_pylist()
+        assert [r["reason"] for r in rows] == ["unreadable_shard"]
+    manifest_shards = metrics["shards"]
+    assert sorted(f["shard"] for f in manifest_shards["failed"]) == ["00006", "00007"]
+    assert manifest_shards["duplicate_keys"] == {"00009": 30}
+
+    copied = pq.read_table(out / "quarantine" / "00009.parquet").to_pylist()
+    assert len(copied) == 30 and {r["reason"] for r in copied} == {"duplicate_key"}
+    assert all("'00002'" in r["detail"] for r in copied)
+    readable = {
+        p.stem: _sample_keys(p)
+        for p in sorted(corpus.glob("*.tar"))
+        if p.stem not in ("00006", "00007")
+    }
+    assert len(readable["00005"]) == 30
+    _account(out, readable)
+    assert pq.read_metadata(out / "labels" / "00009.parquet").num_rows == 0
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_shard_deleted_after_the_embed_pass_is_reported_not_mixed(
+    local_ray, clean_corpus, tmp_path, monkeypatch
+):
+    import pipeline.stages.dedup as dedup
+
+    corpus = _copy_shards(clean_corpus, tmp_path / "corpus")
+    original = dedup.run_key_check
+
+    def then_delete(output, shards):
+        result = original(output, shards)
+        (corpus / "00003.tar").unlink()  # between the embed pass and the warm-up
+        return result
+
+    monkeypatch.setattr(dedup, "run_key_check", then_delete)
+    metrics = run_job(_job(tmp_path, corpus, "run"))
+    out = tmp_path / "run"
+    changed = metrics["shards"]["changed"]
+    assert [c["shard"] for c in changed] == ["00003"] and "disappeared" in changed[0]["error"]
+    readable = {p.stem: _sample_keys(p) for p in sorted(corpus.glob("*.tar"))}
+    assert "00003" not in readable and len(readable) == 5
+    _account(out, readable)
+    with pytest.raises(ShardReadError):
+        list(iter_shard_records(str(tmp_path / "corpus" / "00003.tar")))
+    assert read_reference(str(out / "rounds/0/embeddings/00000.parquet")).sha256
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_shard_changed_in_place_stops_training_with_one_paragraph(
+    local_ray, clean_corpus, tmp_path, monkeypatch, capfd
+):
+    import pipeline.stages.dedup as dedup
+
+    corpus = _copy_shards(clean_corpus, tmp_path / "corpus")
+    original = dedup.run_key_check
+
+    def then_touch(output, shards):
+        result = original(output, shards)
+        data = bytearray((corpus / "00001.tar").read_bytes())
+        data[-1] ^= 1  # same size, same samples, other bytes (in the end-of-archive padding)
+        (corpus / "00001.tar").write_bytes(bytes(data))
+        return result
+
+    monkeypatch.setattr(dedup, "run_key_check", then_touch)
+    with pytest.raises(RunFailedError) as failed:
+        run_job(_job(tmp_path, corpus, "run"))
+    message = str(failed.value)
+    assert message.startswith("the warm-up (round 0 training) failed: ShardChangedError: shard ")
+    assert "00001.tar" in message and "\n" not in message
+    assert failed.value.log_path in message and Path(failed.value.log_path).exists()
+    assert not (tmp_path / "run" / "labels").exists()
+    # Ray's own reports of the failure (a traceback per layer) stay off the terminal.
+    shown = "\n".join(capfd.readouterr())
+    for ray_report in ("Error in training function", "[FailurePolicy]", "Full stack trace"):
+        assert ray_report not in shown
+    assert "ShardChangedError" not in shown
