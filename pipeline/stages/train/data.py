@@ -195,6 +195,15 @@ def epoch_phase(spec: TrainSpec, view: ViewSpec, epoch: int) -> Phase:
     )
 
 
+def _admitted_dir(spec: TrainSpec) -> str | None:
+    """The round-0 embeddings (each shard's admission record) of a pipeline run; None for a
+    trainer run on shards that had no embed pass (then every decodable sample is used)."""
+    from pipeline.io.tables import file_exists
+
+    folder = RunLayout(spec.output).embeddings_dir(0)
+    return folder if file_exists(folder) else None
+
+
 def epoch_batches(spec: TrainSpec, view: ViewSpec, epoch: int, rank: int, world: int):
     import ray
 
@@ -212,7 +221,7 @@ def epoch_batches(spec: TrainSpec, view: ViewSpec, epoch: int, rank: int, world:
             "view": view,
             "epoch": epoch,
             "phase": epoch_phase(spec, view, epoch),
-            "admitted_dir": RunLayout(spec.output).embeddings_dir(0),
+            "admitted_dir": _admitted_dir(spec),
         },
     )
     return dataset.iter_torch_batches(
