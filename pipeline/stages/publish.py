@@ -34,7 +34,7 @@ import pyarrow as pa
 
 from pipeline.io.ground_truth import quality_arrays, quality_from_parts
 from pipeline.io.labels import LABELS_SCHEMA, SUBSET_VALUES, uid_of
-from pipeline.io.tables import read_json, write_json_atomic, write_table_atomic
+from pipeline.io.tables import read_json, read_table, write_json_atomic, write_table_atomic
 
 __all__ = ["ORACLE_SCHEMA", "publish_labels", "write_oracle_labels", "LabelViewMismatchError"]
 
@@ -58,11 +58,7 @@ class LabelViewMismatchError(ValueError):
 
 def _read(path: str) -> tuple[pa.Table, dict[str, str]]:
     """One view's table and its file metadata, in one read."""
-    import fsspec
-    import pyarrow.parquet as pq
-
-    fs, fs_path = fsspec.core.url_to_fs(path)
-    table = pq.read_table(fs_path, filesystem=fs)
+    table = read_table(path)
     raw = table.schema.metadata or {}
     return table, {k.decode(): v.decode() for k, v in raw.items()}
 
