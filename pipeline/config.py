@@ -291,6 +291,12 @@ class TrainConfig(_Section):
     checkpoint_every_steps: int = Field(
         200, ge=0, description="Resume checkpoints every N steps (and at epoch ends); 0 = epochs."
     )
+    max_failures: int = Field(
+        3,
+        ge=0,
+        description="Times Ray Train restarts a round's workers after a failure (a lost node, "
+        "a killed worker); each restart resumes from the last resume checkpoint.",
+    )
     warmup: WarmupConfig = WarmupConfig()
 
 

@@ -54,6 +54,7 @@ def _spec(corpus, output: Path, **changes) -> TrainSpec:
                 "grad_clip": 1.0,
                 "warmup": {"patience": 10},
                 "checkpoint_every_steps": 3,
+                "max_failures": 0,  # the resume test fails on purpose and reruns itself
             }
         ),
     )

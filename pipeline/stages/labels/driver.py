@@ -34,6 +34,7 @@ from pipeline.stages.labels import shard_tasks
 from pipeline.stages.labels.index_actors import (
     actor_neighbours,
     build_index_actors,
+    remove_restore_tables,
     save_indexes,
 )
 from pipeline.stages.labels.label_task import label_task
@@ -297,6 +298,8 @@ def run_label_pass(spec: LabelSpec) -> dict[str, Any]:
     finally:
         for actor in actors:
             ray.kill(actor)
+        if actors:
+            remove_restore_tables(spec)
     clock.step("labels")
     summary = _summary(spec, shards, missing, total, results, fits, partition, index_info)
     summary["model_id"] = context["model_id"]

@@ -6,26 +6,107 @@ builds. `actor_neighbours` is the `NeighbourSearch` the label tasks use: the cor
 `ShardedNeighbours` with a dispatch that calls the actors. `save_indexes` persists each
 actor's two indexes under `rounds/<r>/index_<view>/` and describes them in `_index.json`.
 
-Actors do not restart (their index would come back empty): a lost actor fails the pass, and a
-rerun recomputes it from the embeddings; the label tables stay the resumable artifact.
+Actors restart when they die (their node was lost, the process killed): `IndexStoreActor.load`
+adds the rows, builds and then writes the store's rows to a restore table
+(`index_<view>/_restore/<pass id>/store_<i>.parquet`); a restarted actor's constructor finds
+that table and rebuilds the same index from it (exact FAISS, or IVF/PQ with the same trained
+codebooks), and Ray retries the search or lookup that was in flight (both read-only). An actor
+lost during `load` itself restarts empty and Ray retries `load` (its row parts are outputs of
+retryable tasks, recomputed by lineage when their node is gone). Restore tables are deleted at
+the end of the pass. Why not Ray's constructor arguments: an actor created with arguments in
+the object store cannot restart once they are lost (ray-project/ray#53727).
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
-from pipeline.core.neighbours import IndexStore, ShardedNeighbours
+from pipeline.core.neighbours import ROW_FIELDS, IndexStore, ShardedNeighbours
 from pipeline.io.layout import RunLayout
-from pipeline.io.tables import open_atomic, write_json_atomic
+from pipeline.io.tables import file_exists, open_atomic, read_table, write_json_atomic
 from pipeline.stages.labels.spec import LabelSpec
 
-__all__ = ["IndexStoreActor", "actor_neighbours", "build_index_actors", "save_indexes"]
+__all__ = [
+    "INDEX_ACTOR_RESTARTS",
+    "IndexStoreActor",
+    "actor_neighbours",
+    "build_index_actors",
+    "remove_restore_tables",
+    "save_indexes",
+    "train_task",
+]
+
+# Restarts of one index actor within a pass (each a lost node or process); beyond that the pass
+# fails and names the actor.
+INDEX_ACTOR_RESTARTS = 3
+
+
+def _store_table(store: IndexStore, trained: dict | None) -> pa.Table:
+    """The store's rows (ids, u, v, stored fields) exactly, and the IVF/PQ codebooks."""
+    dim = store.dim
+    columns = {
+        "ids": pa.array(store.ids, pa.int64()),
+        "u": pa.FixedSizeListArray.from_arrays(pa.array(store.u.reshape(-1)), dim),
+        "v": pa.FixedSizeListArray.from_arrays(pa.array(store.v.reshape(-1)), dim),
+    }
+    for name in ROW_FIELDS:
+        values = getattr(store, name)
+        if values is not None:
+            kind = pa.string() if values.dtype == object else None
+            columns[name] = pa.array(values.tolist() if kind else values, kind)
+    metadata = {f"trained_{k}".encode(): bytes(v) for k, v in (trained or {}).items()}
+    return pa.table(columns).replace_schema_metadata(metadata)
+
+
+def _restore_store(store: IndexStore, table: pa.Table) -> dict | None:
+    """Give `store` the rows of a `_store_table`; returns the codebooks (None for Flat)."""
+    dim = store.dim
+    store.parts = []
+    store.ids = table["ids"].to_numpy()
+    for name in ("u", "v"):
+        flat = table[name].combine_chunks().flatten().to_numpy()
+        setattr(store, name, np.ascontiguousarray(flat.reshape(-1, dim), dtype=np.float32))
+    for name in ROW_FIELDS:
+        column = table[name] if name in table.column_names else None
+        setattr(store, name, None if column is None else column.to_numpy(zero_copy_only=False))
+    metadata = table.schema.metadata or {}
+    trained = {
+        k.decode()[len("trained_") :]: np.frombuffer(v, dtype=np.uint8)
+        for k, v in metadata.items()
+        if k.startswith(b"trained_")
+    }
+    return trained or None
 
 
 class IndexStoreActor(IndexStore):
-    """An `IndexStore` that can also write its indexes (the Ray actor class)."""
+    """An `IndexStore` that rebuilds itself from its restore table when Ray restarts it, and
+    can write its indexes (the Ray actor class)."""
+
+    def __init__(self, dim: int, factory: str, nprobe: int | None, seed: int, restore: str) -> None:
+        super().__init__(dim, factory, nprobe, seed)
+        self.restore = restore
+        if file_exists(restore):  # a restart: the same rows, the same codebooks, same index
+            trained = _restore_store(self, read_table(restore))
+            super().build(trained)
+
+    def rows(self) -> int:
+        return 0 if self.ids is None else int(self.ids.size)
+
+    def load(self, trained: dict | None, *parts: dict) -> int:
+        """Add the rows, build, then write the restore table; returns the row count."""
+        if self.ids is not None and not self.parts and self.indexes:
+            return int(self.ids.size)  # restored from the table: this call is Ray's retry
+        self.parts = []
+        self.add(*parts)
+        rows = self.build(trained)
+        with open_atomic(self.restore) as handle:
+            pq.write_table(_store_table(self, trained), handle)
+        return rows
 
     def save(self, folder: str, role: str, shard: int) -> dict[str, str]:
         """Write both indexes to `<folder>/<role>_<modality>_<shard:03d>.faiss`, atomically,
@@ -69,8 +150,28 @@ def actor_neighbours(actors: list) -> ShardedNeighbours:
     return ShardedNeighbours(actors, _ray_dispatch)
 
 
+def train_task(dim: int, factory: str, nprobe: int | None, seed: int, *parts: dict) -> dict:
+    """The IVF/PQ codebooks trained on one store's rows (a plain task: lineage can redo it)."""
+    store = IndexStore(dim, factory, nprobe, seed)
+    store.add(*parts)
+    return store.train()
+
+
+def _restore_dir(spec: LabelSpec) -> str:
+    return f"{RunLayout(spec.output).index_dir(spec.round_index, spec.view)}/_restore"
+
+
+def remove_restore_tables(spec: LabelSpec) -> None:
+    """Delete the pass's restore tables (the actors are gone; the labels are written)."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(_restore_dir(spec))
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
 def build_index_actors(spec: LabelSpec, row_refs: list, dim: int) -> tuple[list, list[int]]:
-    """Start the actors, hand each its rows, train (IVF/PQ) and build.
+    """Train (IVF/PQ) once, start the actors and have each load its rows.
 
     Args:
         spec: the pass.
@@ -83,18 +184,22 @@ def build_index_actors(spec: LabelSpec, row_refs: list, dim: int) -> tuple[list,
     import ray
 
     n_actors = spec.index.shards
-    actor_class = ray.remote(IndexStoreActor).options(max_restarts=0, max_task_retries=0)
+    index = (dim, spec.index.factory, spec.index.nprobe, spec.seed)
+    parts = [[out[i] for out in row_refs] for i in range(n_actors)]
+    trained = None
+    if spec.index.factory.replace(" ", "") != "Flat":
+        # A ref: the codebooks go task -> actors without passing through the driver.
+        task = ray.remote(train_task).options(num_cpus=1, max_retries=3)
+        trained = task.remote(*index, *parts[0])
+    actor_class = ray.remote(IndexStoreActor).options(
+        max_restarts=INDEX_ACTOR_RESTARTS, max_task_retries=INDEX_ACTOR_RESTARTS
+    )
+    restore = f"{_restore_dir(spec)}/{uuid.uuid4().hex[:12]}"  # this pass's tables only
     actors = [
-        actor_class.remote(dim, spec.index.factory, spec.index.nprobe, spec.seed)
-        for _ in range(n_actors)
+        actor_class.remote(*index, f"{restore}/store_{i:03d}.parquet") for i in range(n_actors)
     ]
     # Refs passed as arguments: the rows go from the object store straight to each actor.
-    ray.get([actor.add.remote(*[out[i] for out in row_refs]) for i, actor in enumerate(actors)])
-    if spec.index.factory.replace(" ", "") == "Flat":
-        sizes = ray.get([actor.build.remote(None) for actor in actors])
-    else:
-        trained = actors[0].train.remote()  # a ref: the codebooks go actor -> actor
-        sizes = ray.get([actor.build.remote(trained) for actor in actors])
+    sizes = ray.get([actor.load.remote(trained, *parts[i]) for i, actor in enumerate(actors)])
     return actors, [int(size) for size in sizes]
 
 

@@ -40,6 +40,21 @@ def _torch_config():
     return _Config()
 
 
+def _train_storage(path: str):
+    """(storage path, pyarrow filesystem or None) for Ray Train. A URL goes through the same
+    fsspec filesystem as every other file of the run (s3fs on S3), so Ray Train needs no
+    credentials or endpoint of its own."""
+    if "://" not in path:
+        import os
+
+        return os.path.abspath(path), None
+    import fsspec
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    return fs_path, PyFileSystem(FSSpecHandler(fs))
+
+
 def run_training(spec: TrainSpec) -> dict:
     """Train the views of `spec` on Ray Train (skipped when the round's training is complete).
 
@@ -62,11 +77,7 @@ def run_training(spec: TrainSpec) -> dict:
             f"train.batch_size={spec.train.batch_size} x train.workers={spec.train.workers} is "
             f"more than the {usable} usable samples can fill once; lower train.batch_size"
         )
-    storage = f"{layout.round_dir(spec.round_index)}/ray_train"
-    if "://" not in storage:
-        import os
-
-        storage = os.path.abspath(storage)
+    storage, filesystem = _train_storage(f"{layout.round_dir(spec.round_index)}/ray_train")
     logger.info(
         f"train: round {spec.round_index} ({spec.mode}), views "
         f"{', '.join(v.name for v in spec.views)}, {spec.train.workers} worker(s), "
@@ -77,8 +88,13 @@ def run_training(spec: TrainSpec) -> dict:
         train_loop_config={"spec": spec},
         torch_config=_torch_config(),
         scaling_config=ScalingConfig(num_workers=spec.train.workers, use_gpu=spec.use_gpu),
+        # A failed worker group (a node lost, a worker killed) is restarted by Ray Train and
+        # train_loop resumes from resume.pt: the same weights as an undisturbed run.
         run_config=RunConfig(
-            storage_path=storage, name="train", failure_config=FailureConfig(max_failures=0)
+            storage_path=storage,
+            storage_filesystem=filesystem,
+            name="train",
+            failure_config=FailureConfig(max_failures=spec.train.max_failures),
         ),
     )
     trainer.fit()
