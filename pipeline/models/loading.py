@@ -37,7 +37,9 @@ from pipeline.models.spec import (
 from pipeline.models.weights import (
     check_weights_available,
     file_sha256,
+    is_url,
     load_state_dict_strict,
+    local_copy,
     read_state_dict,
 )
 
@@ -135,6 +137,8 @@ def _weight_source(spec: ModelSpec, arch: str, schema: str | None) -> tuple[str 
         return None, None
     if _oc_pretrained.is_pretrained_cfg(arch, spec.pretrained):
         return spec.pretrained, None
+    if is_url(spec.pretrained):
+        return None, local_copy(spec.pretrained)
     return None, os.path.expanduser(spec.pretrained)  # preflight proved it is a file
 
 

@@ -191,6 +191,17 @@ def _check_pretrained(spec: ModelSpec, arch: str, tag_or_path: str) -> None:
             )
         return
 
+    if is_url(tag_or_path):  # a checkpoint in shared storage (a run directory on S3)
+        import fsspec
+
+        fs, fs_path = fsspec.core.url_to_fs(tag_or_path)
+        if fs.isfile(fs_path):
+            return
+        raise ModelLoadError(
+            f"Checkpoint {tag_or_path!r} for model {spec.name!r} does not exist. Set "
+            "model.pretrained to an existing checkpoint file (local path or fsspec URL), a "
+            "pretrained tag, or null for a random init."
+        )
     path = os.path.expanduser(tag_or_path)
     if os.path.isfile(path):
         return
@@ -257,6 +268,30 @@ def check_weights_available(spec: ModelSpec) -> None:
 
 # --------------------------------------------------------------------------------------------
 # Checkpoint files
+
+
+def is_url(path: str) -> bool:
+    """An fsspec URL such as s3://bucket/run/model.pt (not a local path)."""
+    return "://" in path and not path.startswith("file://")
+
+
+def local_copy(url: str) -> str:
+    """A checkpoint URL copied to a local temporary file (torch and safetensors read local
+    files); the copy is named after the URL and replaced on every call, atomically."""
+    import tempfile
+
+    import fsspec
+
+    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+    folder = Path(tempfile.gettempdir()) / "ncl-checkpoints"
+    folder.mkdir(parents=True, exist_ok=True)
+    dest = folder / f"{digest}-{os.path.basename(url)}"
+    tmp = dest.with_name(f"{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with fsspec.open(url, "rb") as src, open(tmp, "wb") as out:
+        for block in iter(lambda: src.read(1 << 20), b""):
+            out.write(block)
+    os.replace(tmp, dest)
+    return str(dest)
 
 
 def file_sha256(path: str, chunk: int = 1 << 20) -> str:

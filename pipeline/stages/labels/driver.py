@@ -298,8 +298,7 @@ def run_label_pass(spec: LabelSpec) -> dict[str, Any]:
     finally:
         for actor in actors:
             ray.kill(actor)
-        if actors:
-            remove_restore_tables(spec)
+        remove_restore_tables(spec)  # also after a failed build
     clock.step("labels")
     summary = _summary(spec, shards, missing, total, results, fits, partition, index_info)
     summary["model_id"] = context["model_id"]

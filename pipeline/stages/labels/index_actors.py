@@ -19,6 +19,7 @@ the object store cannot restart once they are lost (ray-project/ray#53727).
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
@@ -40,6 +41,8 @@ __all__ = [
     "save_indexes",
     "train_task",
 ]
+
+logger = logging.getLogger(__name__)
 
 # Restarts of one index actor within a pass (each a lost node or process); beyond that the pass
 # fails and names the actor.
@@ -93,6 +96,9 @@ class IndexStoreActor(IndexStore):
         if file_exists(restore):  # a restart: the same rows, the same codebooks, same index
             trained = _restore_store(self, read_table(restore))
             super().build(trained)
+            logger.warning(
+                f"labels: index actor restarted, rebuilt {self.rows()} rows from {restore}"
+            )
 
     def rows(self) -> int:
         return 0 if self.ids is None else int(self.ids.size)
