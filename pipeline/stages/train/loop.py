@@ -259,27 +259,32 @@ def train_loop(config: dict) -> None:
 
 def _run_epoch(spec, active, epoch, steps, rank, world, device, injected) -> tuple[int, float]:
     """One epoch of every active view, in lockstep; returns (samples seen, seconds)."""
-    skip = active[0].step_in_epoch  # batches consumed before a restart (same for all views)
+    # Batches each view consumed before a restart. The views' resume states are separate files,
+    # so a worker lost between two saves leaves them at different steps: each skips its own.
+    done = [t.step_in_epoch for t in active]
     iterators = [epoch_batches(spec, t.view, epoch, rank, world) for t in active]
     started, seen = time.perf_counter(), 0
     for index, batches in enumerate(zip(*iterators, strict=False)):
         if index >= steps:
             break
-        if index < skip:
+        stepping = [(t, b) for t, b, d in zip(active, batches, done, strict=True) if index >= d]
+        if not stepping:
             continue
-        losses = [t.train_step(b, device) for t, b in zip(active, batches, strict=True)]
+        losses = [t.train_step(b, device) for t, b in stepping]
         seen += spec.train.batch_size * world
         injected[0] += 1
         if rank == 0 and (index + 1) % LOG_EVERY_STEPS == 0:
             rate = seen / (time.perf_counter() - started)
-            names = " ".join(f"{t.view.name}={x:.3f}" for t, x in zip(active, losses, strict=True))
+            names = " ".join(
+                f"{t.view.name}={x:.3f}" for (t, _), x in zip(stepping, losses, strict=True)
+            )
             logger.info(
                 f"  round {spec.round_index} epoch {epoch} step {index + 1}/{steps}: loss "
                 f"{names}, {rate:.0f} samples/s per view"
             )
         every = spec.train.checkpoint_every_steps
         if rank == 0 and every and (index + 1) % every == 0:
-            for t in active:
+            for t, _ in stepping:
                 t.save()
         if spec.fail_after_steps is not None and injected[0] >= spec.fail_after_steps:
             raise RuntimeError(f"injected failure after {injected[0]} steps (test only)")

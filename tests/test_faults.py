@@ -1,0 +1,224 @@
+"""Faults on a real multi-node Ray (`ray.cluster_utils.Cluster` on loopback: a head and two
+worker nodes): a lost worker node, a killed driver. The job must finish by itself (or on a
+plain rerun after the driver died) with the labels of an undisturbed one-node run, and with
+nothing written twice.
+
+Every job runs as `python -m pipeline.cli run` in a subprocess (the driver). Kill points are
+deterministic: the test waits for a file the stage writes (its first output table, its first
+resume checkpoint) and only then removes the node that runs the stage's actor or kills the
+driver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.data.synthetic import make_corpus
+from pipeline.labels import read_labels
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[1]
+SHARDS = 3
+
+JOB = """
+name: faults
+input: {{shards: "{corpus}/{{00000..0000{last}}}.tar"}}
+output: {output}
+model: {{name: ncl-tiny, pretrained: null}}
+embed: {{batch_size: 32, gpus_per_worker: 0, cpus_per_worker: 1, decode_threads: 1, concurrency: 1}}
+mixture: {{kind: gmm}}
+labels: {{method: bicro}}
+index: {{factory: Flat, shards: 2}}
+train:
+  rounds: 1
+  warmup_epochs: 1
+  epochs_per_round: 1
+  batch_size: 32
+  lr: 2.0e-3
+  lr_warmup_steps: 4
+  weight_decay: 0.1
+  torch_threads: 1
+  checkpoint_every_steps: 2
+ray: {{address: {address}, num_cpus: 2}}
+seed: 4
+"""
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("faults") / "corpus"
+    make_corpus(
+        root, samples=80 * SHARDS, samples_per_shard=80, test_samples=0, image_size=32, seed=11
+    )
+    return root
+
+
+def _start(corpus: Path, output: Path, address: str | None) -> subprocess.Popen:
+    job = output.parent / f"{output.name}.yaml"
+    job.write_text(
+        JOB.format(corpus=corpus, output=output, last=SHARDS - 1, address=address or "null")
+    )
+    log = (output.parent / f"{output.name}.log").open("a")
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "run", str(job)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _log(output: Path, tail: int | None = 4000) -> str:
+    path = output.parent / f"{output.name}.log"
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return text[-tail:] if tail else text
+
+
+def _finish(proc: subprocess.Popen, output: Path, timeout: float = 300) -> None:
+    assert proc.wait(timeout=timeout) == 0, _log(output)
+
+
+def _wait_for(proc: subprocess.Popen, output: Path, pattern: str, timeout: float = 240) -> None:
+    """Block until files matching every `|`-separated glob (under the run directory) exist."""
+    deadline = time.monotonic() + timeout
+    while not all(list(output.glob(p)) for p in pattern.split("|")):
+        if proc.poll() is not None:
+            pytest.fail(f"the job ended before {pattern} appeared:\n{_log(output)}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"{pattern} did not appear in {timeout}s:\n{_log(output)}")
+        time.sleep(0.05)
+
+
+def _labels(output: Path) -> pa.Table:
+    table = read_labels(str(output)).to_table(columns=["key", "soft_label", "subset"])
+    return table.sort_by("key")
+
+
+def _run(corpus: Path, output: Path, address: str | None) -> pa.Table:
+    _finish(_start(corpus, output, address), output)
+    return _labels(output)
+
+
+def _assert_same_labels(got: pa.Table, want: pa.Table) -> None:
+    assert got.num_rows == want.num_rows == 80 * SHARDS
+    assert len(set(got.column("key").to_pylist())) == got.num_rows  # no key twice
+    assert got.equals(want), "labels differ from the undisturbed one-node run"
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> pa.Table:
+    """The undisturbed run on one node (the driver's own local Ray)."""
+    return _run(corpus, tmp_path_factory.mktemp("reference") / "run", None)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head without CPUs (nothing of the job runs there, so removing a worker node always
+    takes work with it) and two worker nodes, all on 127.0.0.1."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        connect=False,
+        head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1"},
+    )
+    for _ in range(2):
+        cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+    cluster.wait_for_nodes()
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.fixture
+def nodes(cluster):
+    """Two live worker nodes before each test (a test may have removed one)."""
+    while len(cluster.worker_nodes) < 2:
+        cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+    cluster.wait_for_nodes()
+    return cluster
+
+
+def _node_running(cluster, title: str):
+    """The worker node whose raylet is an ancestor of a process titled `title` (Ray names
+    worker processes `ray::<Class>` or `ray::<Class>.<method>`)."""
+    from ray._private import ray_constants
+
+    raylets = {
+        node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid: node
+        for node in cluster.worker_nodes
+    }
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if not cmdline.startswith("ray::") or title not in cmdline:
+            continue
+        with contextlib.suppress(psutil.Error):
+            for parent in proc.parents():
+                if parent.pid in raylets:
+                    return raylets[parent.pid]
+    raise AssertionError(f"no worker node runs a {title!r} process")
+
+
+STAGES = {
+    # stage: (file that shows it is under way, the process whose node is removed)
+    "embed": ("rounds/0/embeddings/00000.parquet", "EmbedShardStage"),
+    # both index actors hold their rows (restore tables written), no shard is labelled yet
+    "labels": (
+        "rounds/1/index_a/_restore/*/store_000.parquet|rounds/1/index_a/_restore/*/store_001.parquet",
+        "IndexStoreActor",
+    ),
+    "train": ("rounds/0/checkpoints/A/resume.pt", "RayTrainWorker"),
+}
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_a_worker_node_lost_mid_stage_changes_no_label(stage, nodes, corpus, reference, tmp_path):
+    """The node running the stage's actor is removed; the job still finishes on its own (Ray
+    Data restarts the embed actor, index actors rebuild from their restore tables, Ray Train
+    restarts the worker group from resume.pt) with the one-node labels. (So these tests also
+    show that three nodes give the labels of one.)"""
+    output = tmp_path / "run"
+    marker, title = STAGES[stage]
+    proc = _start(corpus, output, nodes.address)
+    _wait_for(proc, output, marker)
+    nodes.remove_node(_node_running(nodes, title))
+    _finish(proc, output)
+    _assert_same_labels(_labels(output), reference)
+    if stage == "labels":  # the lost actor came back with its index (not an empty one)
+        assert "index actor restarted, rebuilt" in _log(output, tail=None)
+
+
+# The driver is killed (SIGKILL) when each stage is under way, one after the other: every rerun
+# of the same job into the same output resumes, and the last one finishes.
+DRIVER_KILLS = (
+    "rounds/0/embeddings/00000.parquet",  # the round-0 embed pass
+    "rounds/0/checkpoints/A/resume.pt",  # the warm-up
+    "rounds/1/labels_a/0000*.parquet",  # round 1's label pass
+    "labels/0000*.parquet",  # publishing
+)  # (co-teaching training resumes like the warm-up: same resume.pt path, one kill suffices)
+
+
+def test_a_killed_driver_rerun_gives_the_same_labels(nodes, corpus, reference, tmp_path):
+    output = tmp_path / "run"
+    for marker in DRIVER_KILLS:
+        proc = _start(corpus, output, nodes.address)
+        _wait_for(proc, output, marker)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    _finish(_start(corpus, output, nodes.address), output)
+    got = _labels(output)
+    _assert_same_labels(got, reference)
+    quarantine = list((output / "quarantine").glob("*.parquet"))
+    keys = [k for p in quarantine for k in pq.read_table(p)["key"].to_pylist()]
+    assert len(keys) == len(set(keys))  # no quarantine row written twice
