@@ -27,7 +27,8 @@ import pytest
 from pipeline.data.synthetic import make_corpus
 from pipeline.labels import read_labels
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+# A test's budget covers the module's reference run too (the first test sets it up).
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[1]
 SHARDS = 3
 
@@ -85,11 +86,11 @@ def _log(output: Path, tail: int | None = 4000) -> str:
     return text[-tail:] if tail else text
 
 
-def _finish(proc: subprocess.Popen, output: Path, timeout: float = 300) -> None:
+def _finish(proc: subprocess.Popen, output: Path, timeout: float = 600) -> None:
     assert proc.wait(timeout=timeout) == 0, _log(output)
 
 
-def _wait_for(proc: subprocess.Popen, output: Path, pattern: str, timeout: float = 240) -> None:
+def _wait_for(proc: subprocess.Popen, output: Path, pattern: str, timeout: float = 400) -> None:
     """Block until files matching every `|`-separated glob (under the run directory) exist."""
     deadline = time.monotonic() + timeout
     while not all(list(output.glob(p)) for p in pattern.split("|")):
@@ -124,9 +125,11 @@ def reference(corpus, tmp_path_factory) -> pa.Table:
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(reference):
     """A head without CPUs (nothing of the job runs there, so removing a worker node always
-    takes work with it) and two worker nodes, all on 127.0.0.1."""
+    takes work with it) and two worker nodes, all on 127.0.0.1. Started after the reference
+    run: while a cluster is up, `ray.init()` without an address joins it instead of starting
+    a private local Ray."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(

@@ -23,6 +23,7 @@ import logging
 import uuid
 from typing import Any
 
+import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -49,8 +50,8 @@ logger = logging.getLogger(__name__)
 INDEX_ACTOR_RESTARTS = 3
 
 
-def _store_table(store: IndexStore, trained: dict | None) -> pa.Table:
-    """The store's rows (ids, u, v, stored fields) exactly, and the IVF/PQ codebooks."""
+def _store_table(store: IndexStore) -> pa.Table:
+    """The store's rows (ids, u, v, stored fields), exactly."""
     dim = store.dim
     columns = {
         "ids": pa.array(store.ids, pa.int64()),
@@ -62,12 +63,11 @@ def _store_table(store: IndexStore, trained: dict | None) -> pa.Table:
         if values is not None:
             kind = pa.string() if values.dtype == object else None
             columns[name] = pa.array(values.tolist() if kind else values, kind)
-    metadata = {f"trained_{k}".encode(): bytes(v) for k, v in (trained or {}).items()}
-    return pa.table(columns).replace_schema_metadata(metadata)
+    return pa.table(columns)
 
 
-def _restore_store(store: IndexStore, table: pa.Table) -> dict | None:
-    """Give `store` the rows of a `_store_table`; returns the codebooks (None for Flat)."""
+def _restore_store(store: IndexStore, table: pa.Table) -> None:
+    """Give `store` the rows of a `_store_table`."""
     dim = store.dim
     store.parts = []
     store.ids = table["ids"].to_numpy()
@@ -77,13 +77,12 @@ def _restore_store(store: IndexStore, table: pa.Table) -> dict | None:
     for name in ROW_FIELDS:
         column = table[name] if name in table.column_names else None
         setattr(store, name, None if column is None else column.to_numpy(zero_copy_only=False))
-    metadata = table.schema.metadata or {}
-    trained = {
-        k.decode()[len("trained_") :]: np.frombuffer(v, dtype=np.uint8)
-        for k, v in metadata.items()
-        if k.startswith(b"trained_")
-    }
-    return trained or None
+
+
+def _codebook_path(restore: str, modality: str) -> str:
+    """The trained empty IVF/PQ index beside a restore table (too big for Parquet metadata:
+    IVF65536 at D=512 is 128 MB)."""
+    return f"{restore.removesuffix('.parquet')}_trained_{modality}.faiss"
 
 
 class IndexStoreActor(IndexStore):
@@ -94,8 +93,14 @@ class IndexStoreActor(IndexStore):
         super().__init__(dim, factory, nprobe, seed)
         self.restore = restore
         if file_exists(restore):  # a restart: the same rows, the same codebooks, same index
-            trained = _restore_store(self, read_table(restore))
-            super().build(trained)
+            _restore_store(self, read_table(restore))
+            trained = {}
+            for modality in ("image", "text"):
+                path = _codebook_path(restore, modality)
+                if file_exists(path):
+                    with fsspec.open(path, "rb") as handle:
+                        trained[modality] = np.frombuffer(handle.read(), dtype=np.uint8)
+            super().build(trained or None)
             logger.warning(
                 f"labels: index actor restarted, rebuilt {self.rows()} rows from {restore}"
             )
@@ -110,8 +115,11 @@ class IndexStoreActor(IndexStore):
         self.parts = []
         self.add(*parts)
         rows = self.build(trained)
-        with open_atomic(self.restore) as handle:
-            pq.write_table(_store_table(self, trained), handle)
+        for modality, blob in (trained or {}).items():
+            with open_atomic(_codebook_path(self.restore, modality)) as handle:
+                handle.write(memoryview(blob))
+        with open_atomic(self.restore) as handle:  # last: it marks the store restorable
+            pq.write_table(_store_table(self), handle)
         return rows
 
     def save(self, folder: str, role: str, shard: int) -> dict[str, str]:
