@@ -81,6 +81,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         quiet_ray()
         return f"Ray cluster at {address}"
     ray.init(
+        # A new private instance even when another Ray runs on this machine (`ray start`
+        # leaves /tmp/ray/ray_current_cluster, which a bare ray.init() would join).
+        address="local",
         num_cpus=num_cpus,
         include_dashboard=False,
         log_to_driver=True,
