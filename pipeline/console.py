@@ -203,6 +203,7 @@ RAY_NOISE = tuple(
         r"^Attempting to start training worker group",
         r"^Started training worker group of size",
         r"^- \(ip=[^)]*\) world_rank=",
+        r"^Reporting training result \d+: TrainingReport\(",
         # Ray Data's per-dataset narration (INFO; RAY_DATA_LOG_LEVEL covers workers).
         r"(Starting execution of|Execution plan of|execution finished in) .*Dataset|"
         r"Dataset .* execution finished in",
@@ -213,6 +214,8 @@ RAY_NOISE = tuple(
 # asks the State API (a dashboard we do not run) and, with several Ray instances on one
 # machine, prints a ConnectionError traceback that is not a failure of the run.
 _NOISY_ACTORS = ("PlacementGroupCleaner",)
+# ...and a batch of another process's lines about that cleaner (its death, its traceback).
+_NOISY_BATCH = re.compile(r"placement group with cleaner|PlacementGroupCleaner")
 
 _STATE: dict = {"owned": False, "live": None, "stderr": None}
 
@@ -237,6 +240,8 @@ class _FilteredForwarding:
 
     def __call__(self, data: dict) -> None:
         if any(name in (data.get("actor_name") or "") for name in _NOISY_ACTORS):
+            return
+        if any(_NOISY_BATCH.search(line) for line in data.get("lines", [])):
             return
         lines = [line for line in data.get("lines", []) if not is_ray_noise(line)]
         if lines:

@@ -42,6 +42,8 @@ def test_ray_noise_is_dropped_and_everything_else_forwarded():
     forward({"pid": 1, "lines": [core, "Requesting resources: {'CPU': 1} * 1", "real warning"]})
     forward({"pid": 2, "actor_name": "PlacementGroupCleaner", "lines": ["Traceback (most"]})
     forward({"pid": 3, "lines": ["Progress bars disabled. To enable, set ..."]})
+    forward({"pid": 4, "lines": ["Failed to register placement group with cleaner: ...", "\tpid: 6"]})
+    forward({"pid": 5, "lines": ["Reporting training result 1: TrainingReport(checkpoint=None)"]})
     assert shown == [{"pid": 1, "lines": ["real warning"]}]
     assert is_ray_noise("Tip: use `ray status` to view detailed cluster status. To disable")
     assert not is_ray_noise("WARNING pipeline.runner: 1 shard(s) could not be read")
