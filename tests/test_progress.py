@@ -19,11 +19,11 @@ class _Clock:
 def test_progress_logs_counts_rate_and_time_left_every_few_percent(caplog):
     clock = _Clock()
     log = logging.getLogger("pipeline.stages.example")
-    with caplog.at_level(logging.INFO, logger="pipeline"):
-        with Progress("embed round 0", 100, "pairs", log=log, clock=clock) as progress:
-            for _ in range(100):
-                clock.now += 1.0
-                progress.advance(1)
+    progress = Progress("embed round 0", 100, "pairs", log=log, clock=clock)
+    with caplog.at_level(logging.INFO, logger="pipeline"), progress:
+        for _ in range(100):
+            clock.now += 1.0
+            progress.advance(1)
     lines = [r.getMessage() for r in caplog.records]
     # one line per 10% (at most one per 5 s), then the closing line; never the same line twice
     assert lines[0] == "  embed round 0: 10/100 pairs (10%), 1.0 pairs/s, 1m30s left"
@@ -42,7 +42,8 @@ def test_ray_noise_is_dropped_and_everything_else_forwarded():
     forward({"pid": 1, "lines": [core, "Requesting resources: {'CPU': 1} * 1", "real warning"]})
     forward({"pid": 2, "actor_name": "PlacementGroupCleaner", "lines": ["Traceback (most"]})
     forward({"pid": 3, "lines": ["Progress bars disabled. To enable, set ..."]})
-    forward({"pid": 4, "lines": ["Failed to register placement group with cleaner: ...", "\tpid: 6"]})
+    cleaner = ["Failed to register placement group with cleaner: ...", "\tpid: 6"]
+    forward({"pid": 4, "lines": cleaner})
     forward({"pid": 5, "lines": ["Reporting training result 1: TrainingReport(checkpoint=None)"]})
     assert shown == [{"pid": 1, "lines": ["real warning"]}]
     assert is_ray_noise("Tip: use `ray status` to view detailed cluster status. To disable")
