@@ -44,8 +44,9 @@ demo-full: $(STAMP) $(DEMO_DATA)/val/ground_truth.parquet
 
 # The report's browser test needs Chromium (Debian's package); installed when missing and root.
 browser:
-	@command -v chromium >/dev/null || test "$$(id -u)" != 0 || \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+	@(command -v chromium && command -v chromedriver) >/dev/null || test "$$(id -u)" != 0 || \
+		(apt-get update -qq && \
+		 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest
