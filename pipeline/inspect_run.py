@@ -77,10 +77,10 @@ def inspect_run(path: str | os.PathLike, *, view: str | None = None) -> str:
         pipeline.labels.LabelTableError: no label tables under `path`.
     """
     from pipeline.io.tables import read_json
-    from pipeline.labels import labels_folder, read_labels
+    from pipeline.labels import labels_folder_url, read_labels
 
     dataset = read_labels(path, view=view)
-    _, folder = labels_folder(path, view)
+    folder = labels_folder_url(path, view)
     meta = label_table_metadata(dataset)
     table = dataset.to_table(columns=["subset", "soft_label"])
     n = table.num_rows

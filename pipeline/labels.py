@@ -16,7 +16,7 @@ import pyarrow.dataset as ds
 
 from pipeline.io.labels import LABELS_SCHEMA, READABLE_SCHEMA_NAMES
 
-__all__ = ["LabelTableError", "labels_folder", "read_labels"]
+__all__ = ["LabelTableError", "labels_folder", "labels_folder_url", "read_labels"]
 
 
 class LabelTableError(ValueError):
@@ -73,6 +73,14 @@ def labels_folder(path: str | os.PathLike, view: str | None = None) -> tuple[obj
         f"no label tables under {path}: expected <run>/labels/*.parquet, a folder of label "
         "tables, or a round directory with labels_<view>/ (has the label pass run?)"
     )
+
+
+def labels_folder_url(path: str | os.PathLike, view: str | None = None) -> str:
+    """`labels_folder`'s folder as a path any fsspec call resolves the same way: the URL on an
+    object store (`s3://bucket/run/labels`; the filesystem's own paths drop the scheme and
+    would read as local), the plain path on a local disk."""
+    fs, folder = labels_folder(path, view)
+    return folder if "file" in fs.protocol else fs.unstrip_protocol(folder)
 
 
 def read_labels(path: str | os.PathLike, *, view: str | None = None) -> ds.Dataset:

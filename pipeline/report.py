@@ -414,12 +414,12 @@ def write_report(
 
     from pipeline.inspect_run import _run_dir_of, label_table_metadata
     from pipeline.io.tables import read_json
-    from pipeline.labels import labels_folder, read_labels
+    from pipeline.labels import labels_folder_url, read_labels
     from pipeline.report_story import rounds_figure, story_html, summary_html
 
     plt = _pyplot()
     dataset = read_labels(run_dir, view=view)
-    _, folder = labels_folder(run_dir, view)
+    folder = labels_folder_url(run_dir, view)
     root = _run_dir_of(folder)
     fs, _ = fsspec.core.url_to_fs(root)
     out = f"{root}/report"

@@ -79,7 +79,7 @@ def test_a_job_reads_and_writes_s3(s3_env, tmp_path):
     job.write_text(JOB.format(bucket=BUCKET))
     result = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "run", str(job)],
-        cwd=ROOT,
+        cwd=tmp_path,  # a path that lost its s3:// would land here
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
@@ -88,8 +88,9 @@ def test_a_job_reads_and_writes_s3(s3_env, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     written = set(fs.find(f"{BUCKET}/run"))
-    for name in ("manifest.json", "metrics.json", "labels/00000.parquet", "labels/00001.parquet"):
+    for name in ("manifest.json", "metrics.json", "labels/00000.parquet", "report/index.html"):
         assert f"{BUCKET}/run/{name}" in written, sorted(written)
+    assert not (tmp_path / BUCKET).exists()  # nothing written to a local look-alike path
     assert f"{BUCKET}/run/rounds/0/checkpoints/A/model.pt" in written
     assert not any("/_restore/" in path for path in written)  # index restore tables removed
 
