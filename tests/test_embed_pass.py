@@ -18,7 +18,7 @@ from shard_fixtures import write_corrupt_shard
 from pipeline.config import load_job
 from pipeline.data.synthetic import make_corpus
 from pipeline.io.shards import IMAGE_EXTENSIONS, RawRecord, iter_shard_records, shard_name
-from pipeline.runner import RunConflictError, run_job
+from pipeline.runner import run_job
 
 pytestmark = pytest.mark.ray
 
@@ -196,11 +196,17 @@ def test_rerun_skips_complete_shards_and_redoes_partial_ones(local_ray, corpus, 
     assert first["embedded"] == sum(pq.read_metadata(p).num_rows for p in emb_dir.glob("*.parquet"))
 
 
-def test_changed_configuration_refuses_to_resume(local_ray, corpus, tmp_path):
+def test_changed_configuration_recomputes_the_embeddings(local_ray, corpus, tmp_path):
     path = _write_job(tmp_path, corpus["shards"][:1])
     run_job(load_job(path))
-    with pytest.raises(RunConflictError, match="different configuration"):
-        run_job(load_job(path, ["seed=4"]))
+    table = Path(load_job(path).output) / "rounds" / "0" / "embeddings" / "00000.parquet"
+    before = pq.read_table(table)
+    again = run_job(load_job(path, ["seed=4"]))["rounds"]["0"]["embed"]
+    assert again["shards_skipped"] == 0 and again["embedded"] == before.num_rows
+    after = pq.read_table(table)
+    assert after.schema.metadata[b"ncl.seed"] == b"4"
+    assert after.column("key").equals(before.column("key"))
+    assert after.schema.metadata[b"ncl.stage_key"] != before.schema.metadata[b"ncl.stage_key"]
 
 
 def _is_loopback(ip: str) -> bool:

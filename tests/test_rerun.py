@@ -16,6 +16,7 @@ import pytest
 from log_capture import console_output
 
 from pipeline.config import load_job
+from pipeline.run_status import predict_rerun
 from pipeline.runner import RunConflictError, run_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -57,14 +58,19 @@ def _job(corpus: Path, out: Path, overrides=(), shards: int = 3):
 
 
 def _run(job) -> tuple[dict, dict[str, str]]:
-    """Run `job`; returns its metrics and {stage: what the run state said about it}."""
+    """Run `job`; returns its metrics and {stage: what the run state said about it}, after
+    checking that `ncl-pipeline status` predicted exactly that."""
+    rerun = (Path(job.output) / "manifest.json").exists()
+    predicted = predict_rerun(job.output, job).decisions if rerun else None
     with console_output() as lines:
         metrics = run_job(job)
     said = {}
     for line in lines:
         found = re.search(r"(round\d/\w+|publish): (reused|recomputed because .*)$", line)
-        if found:
-            said[found.group(1)] = found.group(2)
+        if found:  # an embed pass also says how many shards it reused
+            said[found.group(1)] = re.sub(r"; \d+ of \d+ shards reused$", "", found.group(2))
+    if predicted is not None:
+        assert {stage: d.describe() for stage, d in predicted.items()} == said
     return metrics, said
 
 
@@ -175,3 +181,37 @@ def test_another_job_name_is_refused(first, corpus, tmp_path):
     out = _copy(first, tmp_path)
     with pytest.raises(RunConflictError, match="holds the results of job 'rerun-test'"):
         run_job(_job(corpus, out, ["name=other"]))
+
+
+def test_status_shows_stages_times_and_what_a_rerun_would_do(first, corpus, tmp_path):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    out = _copy(first, tmp_path)
+    cli = CliRunner()
+    shown = cli.invoke(app, ["status", str(out)])
+    assert shown.exit_code == 0, shown.output
+    rows = {line.split()[0]: line for line in shown.output.splitlines()[2:] if "/" in line}
+    assert set(ALL) - {"publish"} <= set(rows)
+    for stage in ALL[:-1]:
+        assert re.search(rf"{stage}\s+done\s+20\d\d-.*\d+\.\ds\s+reused$", rows[stage])
+    assert "quarantine: " in shown.output
+    job_file = out.parent / "changed.yaml"
+    job_file.write_text(JOB.format(corpus=corpus, output=out, last="00002"))
+    asked = cli.invoke(
+        app, ["status", str(out), "--job", str(job_file), "--set", "train.lr=5.0e-4"]
+    )
+    assert asked.exit_code == 0, asked.output
+    after = asked.output.split("would:")[1]
+    assert re.search(r"round0/embed\s+reused", after)
+    assert re.search(r"round0/warmup\s+recomputed because train.lr changed", after)
+    # A deleted checkpoint: that stage is stale, and what reads it would be recomputed.
+    (out / "rounds" / "1" / "checkpoints" / "A" / "model.pt").unlink()
+    stale = cli.invoke(app, ["status", str(out)]).output
+    assert re.search(r"round1/train\s+stale .* recomputed because its outputs are missing", stale)
+    assert re.search(
+        r"round2/embed\s+stale .* recomputed because its input round1/train was recomputed", stale
+    )
+    missing = cli.invoke(app, ["status", str(tmp_path / "nothing")])
+    assert missing.exit_code == 2 and "not a run directory" in missing.output

@@ -101,9 +101,7 @@ def test_decide_reuses_only_an_identical_complete_stage():
     key = _key()
     assert decide(key, _done(key)).reuse
     assert decide(key, None).describe() == "recomputed because it has not run before"
-    assert decide(_key(lr=2e-3), _done(key)).describe() == (
-        "recomputed because train.lr changed"
-    )
+    assert decide(_key(lr=2e-3), _done(key)).describe() == ("recomputed because train.lr changed")
     assert decide(_key(warmup="w2"), _done(key), recomputed={"round0/warmup"}).reason == (
         "its input round0/warmup was recomputed"
     )
@@ -125,7 +123,9 @@ def test_shard_keys_reuse_shards_one_by_one():
     found = {"00000": expected["00000"], "00001": "other", "00002": None}
     assert pending_shards(expected, found) == ["00001", "00002"]
     why = embed_reason(StageKey("round0/embed", {"seed": 0}), None, ["00001", "00002"], found)
-    assert why == "input shards changed (no embeddings yet: 00002; embedded under another key: 00001)"
+    assert (
+        why == "input shards changed (no embeddings yet: 00002; embedded under another key: 00001)"
+    )
     # The key of a shard set depends on names and keys, not on their order.
     assert shards_token({"a": "1", "b": "2"}) == shards_token({"b": "2", "a": "1"})
     assert shards_token({"a": "1"}) != shards_token({"a": "1", "b": "2"})
@@ -152,5 +152,8 @@ def test_run_state_records_start_and_finish():
 
 def test_a_changed_method_names_its_sections():
     job, other = _job(), _job(labels={"method": "rcr"})
-    old, new = StageKey("l", stage_config(job, "labels")), StageKey("l", stage_config(other, "labels"))
+    old, new = (
+        StageKey("l", stage_config(job, "labels")),
+        StageKey("l", stage_config(other, "labels")),
+    )
     assert decide(new, _done(old)).reason == "labels.method, labels.bicro, labels.rcr changed"
