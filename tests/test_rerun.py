@@ -169,7 +169,9 @@ def test_an_added_shard_is_embedded_alone_then_everything_global_recomputed(
     assert metrics["rounds"]["0"]["embed"]["embedded"] == 32  # the new shard only
     after = _mtimes(out / "rounds" / "0" / "embeddings")
     assert {k: v for k, v in after.items() if k != "00003.parquet"} == round0
-    assert said["round0/keys"] == "recomputed because its input round0/embed was recomputed"
+    assert said["round0/keys"] == (
+        "recomputed because its input round0/embed was recomputed; input shards changed"
+    )
     assert "input shards changed" in said["round0/warmup"]
     for stage in ALL[1:]:
         assert said[stage].startswith("recomputed because"), stage
