@@ -197,16 +197,17 @@ def test_rerun_skips_complete_shards_and_redoes_partial_ones(local_ray, corpus, 
 
 
 def test_changed_configuration_recomputes_the_embeddings(local_ray, corpus, tmp_path):
+    """A changed seed is no conflict any more: a rerun recomputes the embeddings and everything
+    after them (what `ncl-pipeline status --job` predicts; tests/test_rerun.py runs reruns)."""
+    from pipeline.run_status import predict_rerun
+
     path = _write_job(tmp_path, corpus["shards"][:1])
     run_job(load_job(path))
-    table = Path(load_job(path).output) / "rounds" / "0" / "embeddings" / "00000.parquet"
-    before = pq.read_table(table)
-    again = run_job(load_job(path, ["seed=4"]))["rounds"]["0"]["embed"]
-    assert again["shards_skipped"] == 0 and again["embedded"] == before.num_rows
-    after = pq.read_table(table)
-    assert after.schema.metadata[b"ncl.seed"] == b"4"
-    assert after.column("key").equals(before.column("key"))
-    assert after.schema.metadata[b"ncl.stage_key"] != before.schema.metadata[b"ncl.stage_key"]
+    job = load_job(path, ["seed=4"])
+    decisions = predict_rerun(job.output, job).decisions
+    assert decisions["round0/embed"].describe() == "recomputed because seed changed"
+    assert not any(d.reuse for d in decisions.values())
+    assert all(d.reuse for d in predict_rerun(job.output, load_job(path)).decisions.values())
 
 
 def _is_loopback(ip: str) -> bool:
