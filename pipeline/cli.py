@@ -1,4 +1,5 @@
-"""The `ncl-pipeline` command line: run, submit, make-corpus, validate, export, schemas.
+"""The `ncl-pipeline` command line: run, submit, make-corpus, validate, status, inspect, report,
+export, schemas.
 
 Errors a user can fix (bad job file, missing shards, missing weights, a conflicting run
 directory) are printed as one `error:` message and exit with status 2, without a traceback.
@@ -39,6 +40,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from pipeline.labels import LabelTableError
     from pipeline.models import ModelLoadError
     from pipeline.run_errors import RunFailedError, ShardFailuresError
+    from pipeline.run_status import RunStatusError
     from pipeline.runner import RunConflictError
     from pipeline.stages.export import ExportError
     from pipeline.submit import SubmitError
@@ -52,6 +54,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         ModelLoadError,
         RunConflictError,
         RunFailedError,
+        RunStatusError,
         ShardFailuresError,
         SubmitError,
     )
@@ -184,6 +187,24 @@ def inspect(
     from pipeline.inspect_run import inspect_run
 
     typer.echo(_guard(inspect_run, run_dir, view=view))
+
+
+@app.command()
+def status(
+    run_dir: str = typer.Argument(..., help="Run directory (the job's output)."),
+    job_file: Path = typer.Option(
+        None, "--job", help="Also say what a rerun of this job file would reuse and recompute."
+    ),
+    overrides: list[str] = typer.Option(None, "--set", help=SET_HELP),
+) -> None:
+    """Stages of a run (done / pending / stale, when, how long), what a rerun would reuse and
+    recompute, and the quarantine count. Reads files only (no Ray)."""
+    from pipeline.config import load_job
+    from pipeline.run_status import run_status
+
+    job = _guard(load_job, job_file, overrides) if job_file else None
+    label = str(job_file) if job_file else ""
+    typer.echo(_guard(run_status, run_dir, job, label=label))
 
 
 @app.command()

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["inspect_run", "label_table_metadata"]
+__all__ = ["inspect_run", "label_table_metadata", "quarantine_lines"]
 
 QUANTILES = (0.0, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
@@ -42,7 +42,8 @@ def _fit_line(name: str, fit: dict[str, Any]) -> str:
     return text + (f" ({', '.join(flags)})" if flags else "")
 
 
-def _quarantine_lines(run_dir: str) -> list[str]:
+def quarantine_lines(run_dir: str) -> list[str]:
+    """One line: the quarantine's rows, files and count per reason (`quarantine/*.parquet`)."""
     import fsspec
     import pyarrow.dataset as ds
 
@@ -128,7 +129,7 @@ def inspect_run(path: str | os.PathLike, *, view: str | None = None) -> str:
                 text = " / ".join("-" if c is None else f"{c:.3f}" for c in cells)
                 lines.append(f"  {name:<18} {text}")
     run_dir = _run_dir_of(folder)
-    lines += _quarantine_lines(run_dir)
+    lines += quarantine_lines(run_dir)
     return "\n".join(lines)
 
 

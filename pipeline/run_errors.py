@@ -109,6 +109,6 @@ def explain_failure(exc: BaseException, stage: str, output: str) -> RunFailedErr
     where = f" The full traceback is in {log_path}." if log_path else ""
     message = (
         f"{stage} failed: {_first_line(root)}. {_advice(root)} Finished stages are kept and "
-        f"skipped when the same job is run again.{where}"
+        f"reused when the job is run again (`ncl-pipeline status` shows them).{where}"
     )
     return RunFailedError(message, log_path)

@@ -7,39 +7,59 @@ starts, so a bad job fails in seconds with a message instead of a traceback.
 
 from __future__ import annotations
 
-import datetime as _dt
 import logging
 import os
 import platform
 from importlib import metadata
 from typing import Any
 
-import numpy as np
-
 from pipeline.config import JobConfig
 from pipeline.io.layout import RunLayout
-from pipeline.io.shards import DecodeOptions, expand_shard_patterns, shard_name
+from pipeline.io.shards import expand_shard_patterns, shard_name
 from pipeline.io.tables import read_json, write_json_atomic
 from pipeline.models import ModelSpec, check_weights_available
 from pipeline.run_errors import RunFailedError, ShardFailuresError, explain_failure
+from pipeline.run_state import (
+    RunState,
+    embed_base,
+    embed_key,
+    embed_reason,
+    outputs_present,
+    pending_shards,
+    shard_identity,
+    shard_key,
+    shards_token,
+    stage_graph,
+    stage_key,
+    table_keys,
+)
 from pipeline.run_summary import log_coteaching, log_embed_summary, log_round, log_warmup
+from pipeline.train_specs import (
+    coteach_spec,
+    decode_options,
+    round_models,
+    shard_sizes,
+    warmup_spec,
+)
 
 __all__ = [
     "RunConflictError",
     "RunFailedError",
     "ShardFailuresError",
-    "run_job",
-    "resolve_inputs",
+    "coteach_spec",
+    "decode_options",
     "model_specs",
+    "resolve_inputs",
+    "round_models",
+    "run_job",
+    "warmup_spec",
 ]
-
-EMBED_SECTIONS = ("input", "model", "embed", "seed")
 
 logger = logging.getLogger(__name__)
 
 
 class RunConflictError(RuntimeError):
-    """The output directory holds results of a different configuration."""
+    """The output directory holds the results of another job (another job name)."""
 
 
 def _versions() -> dict[str, str]:
@@ -74,14 +94,6 @@ def _with_absolute_paths(job: JobConfig) -> JobConfig:
     )
 
 
-def decode_options(job: JobConfig) -> DecodeOptions:
-    return DecodeOptions(
-        image_key=job.input.image_key,
-        caption_key=job.input.caption_key,
-        max_image_pixels=job.input.max_image_pixels,
-    )
-
-
 def model_specs(job: JobConfig) -> dict[str, ModelSpec]:
     """The model views of round 0: view 'a' is the job's model seeded with the job's seed."""
     return {
@@ -94,35 +106,29 @@ def model_specs(job: JobConfig) -> dict[str, ModelSpec]:
     }
 
 
-def embed_hash(job: JobConfig) -> str:
-    """The hash of what the embeddings depend on (input.max_failed_shards does not count)."""
-    import hashlib
-    import json
-
-    dumped = job.model_dump(mode="json")
-    dumped["input"].pop("max_failed_shards", None)
-    blob = json.dumps({k: dumped[k] for k in EMBED_SECTIONS}, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
 def _check_resume(job: JobConfig, layout: RunLayout) -> dict:
-    """Refuse to silently mix outputs of different configurations in one run directory."""
+    """The output directory's manifest; refuse a directory that holds another job's results.
+
+    A changed configuration of the same job is not refused: the run state recomputes what it
+    changed (docs/architecture.md §4.3). Another job name is: running it there would replace
+    the other job's labels, which is more likely a wrong `output` than an intent.
+    """
     manifest = read_json(layout.manifest) or {}
-    recorded = manifest.get("stage_hashes", {}).get("embed")
-    current = embed_hash(job)
-    if recorded and recorded != current:
+    recorded = manifest.get("job_name")
+    if recorded and recorded != job.name and manifest.get("stages"):
         raise RunConflictError(
-            f"output '{layout.output}' holds embeddings of a different configuration "
-            f"(input/model/embed/seed changed: {recorded} != {current}). Use a new output "
-            f"directory (--set output=...) or delete '{layout.output}/rounds' to recompute."
+            f"output '{layout.output}' holds the results of job '{recorded}', not '{job.name}'; "
+            f"running it there would replace them. Use a new output directory (--set "
+            f"output=...), or --set name={recorded} to update that run with this configuration."
         )
     return manifest
 
 
 class _RunRecord:
-    """metrics.json and manifest.json of one run, written after every stage."""
+    """metrics.json and manifest.json of one run; the manifest's `stages` is the run state."""
 
     def __init__(self, job: JobConfig, layout: RunLayout, manifest: dict) -> None:
+        self.job = job
         self.layout = layout
         self.manifest = manifest
         manifest.update(
@@ -131,16 +137,21 @@ class _RunRecord:
                 "job_hash": job.stage_hash(),
                 "job": job.model_dump(mode="json"),
                 "versions": _versions(),
-                "stage_hashes": {"embed": embed_hash(job)},
             }
         )
-        manifest.setdefault("stages", {})
+        manifest.pop("stage_hashes", None)  # older run directories; `stages` replaces it
+        stages = manifest.get("stages") or {}
+        manifest["stages"] = {k: v for k, v in stages.items() if isinstance(v, dict)}
         manifest["shards"] = {"failed": [], "changed": [], "duplicate_keys": {}}
+        self.state = RunState(manifest["stages"], save=self.save_manifest)
+        self.graph = {node.stage: node for node in stage_graph(job)}
+        self.shard_keys: dict[str, str] = {}  # round-0 key of every input shard
         self.stage = "the embed pass (round 0)"  # what runs now, for error messages
         logger.debug(f"versions: {manifest['versions']}")
-        write_json_atomic(manifest, layout.manifest)
-        self.metrics = read_json(layout.metrics) or {}
-        self.rounds = self.metrics.setdefault("rounds", {})
+        self.save_manifest()
+        # Rebuilt by every run: reused stages contribute their recorded summaries.
+        self.metrics: dict[str, Any] = {"rounds": {}}
+        self.rounds = self.metrics["rounds"]
         self.metrics["outputs"] = {
             "embeddings": layout.embeddings_dir(0),
             "quarantine": layout.quarantine_dir,
@@ -148,14 +159,12 @@ class _RunRecord:
             "manifest": layout.manifest,
         }
 
-    def record(self, stage: str, round_index: int, key: str, value) -> None:
-        self.rounds.setdefault(str(round_index), {})[key] = value
-        write_json_atomic(self.metrics, self.layout.metrics)
-        self.manifest["stages"][f"round{round_index}/{stage}"] = {
-            "complete": True,
-            "finished_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-        }
+    def save_manifest(self) -> None:
         write_json_atomic(self.manifest, self.layout.manifest)
+
+    def record(self, round_index: int, key: str, value) -> None:
+        self.rounds.setdefault(str(round_index), {})[key] = value
+        self.write_metrics()
 
     def write_metrics(self) -> None:
         write_json_atomic(self.metrics, self.layout.metrics)
@@ -168,8 +177,28 @@ class _RunRecord:
         else:
             shards[kind] = value
         self.metrics["shards"] = shards
-        write_json_atomic(self.manifest, self.layout.manifest)
+        self.save_manifest()
         self.write_metrics()
+
+    def run_stage(self, stage: str, shard_paths, compute, clear=None) -> dict:
+        """Reuse `stage`'s recorded summary, or clear its old outputs and compute it."""
+        node = self.graph[stage]
+        names = [shard_name(p) for p in shard_paths]
+        token = shards_token({name: self.shard_keys[name] for name in names})
+        current = stage_key(self.job, node, self.state.tokens, token)
+        recorded = self.state.records.get(stage) or {}
+        present = True
+        if recorded.get("key") == current.key and recorded.get("status") == "done":
+            present = outputs_present(self.layout, node, names)
+        decision = self.state.decide(current, present)
+        if decision.reuse:
+            return self.state.summary(stage)
+        if clear is not None and not decision.resume:
+            clear()
+        self.state.start(current)
+        summary = compute()
+        self.state.finish(stage, summary)
+        return summary
 
 
 def run_job(job: JobConfig) -> dict:
@@ -181,7 +210,7 @@ def run_job(job: JobConfig) -> dict:
     Raises:
         ShardPatternError: the input pattern matches no file.
         ModelLoadError: model name/weights unusable (checked before Ray starts).
-        RunConflictError: the output directory belongs to another configuration.
+        RunConflictError: the output directory holds the results of another job (name).
         ShardFailuresError: more shards could not be read than input.max_failed_shards allows.
         RunFailedError: a stage failed (inside a Ray task or worker); one paragraph naming
             the stage, the cause and what to do, the traceback in <output>/logs/.
@@ -218,8 +247,8 @@ def run_job(job: JobConfig) -> dict:
 
 def _run_stages(job, layout: RunLayout, shard_paths, views, run: _RunRecord) -> None:
     # 1. Embed every pair with the initial model; this pass also records the quarantine.
-    embed = _embed(job, layout, shard_paths, 0, views)
-    run.record("embed", 0, "embed", embed)
+    embed = _embed(run, shard_paths, 0, views)
+    run.record(0, "embed", embed)
     log_embed_summary(embed, layout)
     # 1b. Only the shards it completed go on; keys repeated across shards are quarantined.
     run.stage = "the corpus-wide key check"
@@ -246,7 +275,7 @@ def _admit_shards(job, layout: RunLayout, shard_paths, embed: dict, run: _RunRec
     """
     from pipeline.stages.dedup import run_key_check
 
-    sizes = _shard_sizes(layout, 0, shard_paths)
+    sizes = shard_sizes(layout, 0, shard_paths)
     errors = {f["path"]: f["error"] for f in embed["shards_failed"]}
     failed = [
         {"shard": shard_name(p), "path": p, "error": errors.get(p, "no embeddings")}
@@ -269,8 +298,10 @@ def _admit_shards(job, layout: RunLayout, shard_paths, embed: dict, run: _RunRec
             f"run retries them):\n{listing}"
         )
     usable = [p for p in shard_paths if shard_name(p) in sizes]
-    keys = run_key_check(layout.output, [shard_name(p) for p in usable])
-    run.record("keys", 0, "keys", keys)
+    keys = run.run_stage(
+        "round0/keys", usable, lambda: run_key_check(layout.output, [shard_name(p) for p in usable])
+    )
+    run.record(0, "keys", keys)
     run.note_shards("duplicate_keys", keys["by_shard"])
     return usable
 
@@ -308,59 +339,117 @@ def _warm_up(job: JobConfig, layout: RunLayout, shard_paths: list[str], run: _Ru
 
     if job.train.warmup_epochs <= 0:
         return {}
-    warmup = run_training(warmup_spec(job, layout, shard_paths))
-    run.record("warmup", 0, "train", warmup)
+    warmup = run.run_stage(
+        "round0/warmup",
+        shard_paths,
+        lambda: run_training(warmup_spec(job, layout, shard_paths)),
+        clear=lambda: _clear_training(layout, 0),
+    )
+    run.record(0, "train", warmup)
     run.rounds["0"]["retrieval"] = warmup.get("retrieval")
     log_warmup(warmup)
-    return {view: info["checkpoint"] for view, info in warmup["views"].items()}
+    return {view: layout.model_checkpoint(0, view) for view in warmup["views"]}
 
 
 def _coteach_rounds(job, layout, shard_paths, run: _RunRecord, checkpoints: dict) -> int:
     """Round r embeds with the models of round r-1 (both views in one pass), labels each view,
     then trains B on A's labels and A on B's. The extra last round only embeds and labels: its
     labels come from the final models and are published. Returns that last round."""
-    from pipeline.stages.labels import LabelSpec, run_label_pass
-    from pipeline.stages.train import run_training
-
     last = job.train.rounds + 1
     for round_index in range(1, last + 1):
         run.stage = f"the embed pass of round {round_index}"
         shard_paths = _still_there(layout, shard_paths, run)
-        embedded = _embed(job, layout, shard_paths, round_index, round_models(job, checkpoints))
-        run.record("embed", round_index, "embed", embedded)
+        embedded = _embed(run, shard_paths, round_index, round_models(job, checkpoints))
+        run.record(round_index, "embed", embedded)
         changed = {c["shard"]: c["error"] for c in embedded["shards_changed"]}
         shard_paths = _leave_out(shard_paths, changed, run)
         run.stage = f"the label passes of round {round_index}"
-        for view, trainee in (("a", "b"), ("b", "a")):
-            spec = LabelSpec.from_job(
-                job, round_index=round_index, view=view, shard_paths=shard_paths,
-                trainee_view=trainee,
-            )  # fmt: skip
-            run.record(f"labels_{view}", round_index, f"labels_{view}", run_label_pass(spec))
+        _label_passes(job, layout, shard_paths, run, round_index)
         if round_index == last:
             break
         run.stage = f"co-teaching training, round {round_index}"
         shard_paths = _still_there(layout, shard_paths, run)
-        trained = run_training(coteach_spec(job, layout, shard_paths, round_index, checkpoints))
-        run.record("train", round_index, "train", trained)
-        run.rounds[str(round_index)]["retrieval"] = trained.get("retrieval")
-        checkpoints = {view: info["checkpoint"] for view, info in trained["views"].items()}
-        log_round(trained)
+        checkpoints = _train_round(job, layout, shard_paths, run, round_index, checkpoints)
     return last
+
+
+def _label_passes(job, layout: RunLayout, shard_paths, run: _RunRecord, round_index: int) -> None:
+    from pipeline.stages.labels import LabelSpec, run_label_pass
+
+    for view, trainee in (("a", "b"), ("b", "a")):
+        spec = LabelSpec.from_job(
+            job, round_index=round_index, view=view, shard_paths=shard_paths, trainee_view=trainee
+        )
+        stale = (
+            layout.labels_round_dir(round_index, view),
+            layout.index_dir(round_index, view),
+            layout.sps_proxies_dir(round_index, view),
+            layout.mixture(round_index, view),
+        )
+        summary = run.run_stage(
+            f"round{round_index}/labels_{view}",
+            shard_paths,
+            lambda spec=spec: run_label_pass(spec),
+            clear=lambda stale=stale: _remove(*stale),
+        )
+        run.record(round_index, f"labels_{view}", summary)
+
+
+def _train_round(job, layout, shard_paths, run: _RunRecord, round_index: int, checkpoints):
+    """Co-teaching training of one round; returns the new checkpoints of A and B."""
+    from pipeline.stages.train import run_training
+
+    trained = run.run_stage(
+        f"round{round_index}/train",
+        shard_paths,
+        lambda: run_training(coteach_spec(job, layout, shard_paths, round_index, checkpoints)),
+        clear=lambda: _clear_training(layout, round_index),
+    )
+    run.record(round_index, "train", trained)
+    run.rounds[str(round_index)]["retrieval"] = trained.get("retrieval")
+    log_round(trained)
+    return {view: layout.model_checkpoint(round_index, view) for view in trained["views"]}
+
+
+def _clear_training(layout: RunLayout, round_index: int) -> None:
+    """A round's training outputs, before it is trained again under another key: its resume
+    state must not be resumed, its summary and weights must not be read."""
+    folder = layout.round_dir(round_index)
+    stale = [f"{folder}/checkpoints", f"{folder}/ray_train", f"{folder}/labels_oracle"]
+    if round_index == 1:
+        stale.append(f"{folder}/labels_cosine_filter")
+    _remove(*stale)
+
+
+def _remove(*paths: str) -> None:
+    """Delete files or folders (local or fsspec URLs); missing ones are fine."""
+    import fsspec
+
+    for path in paths:
+        fs, fs_path = fsspec.core.url_to_fs(path)
+        if fs.exists(fs_path):
+            fs.rm(fs_path, recursive=True)
 
 
 def _publish(job, layout, shard_paths, run: _RunRecord, last: int) -> None:
     """The final labels/: the last round's two views combined (mean)."""
     from pipeline.stages.publish import publish_labels
 
-    embedded = _shard_sizes(layout, last, shard_paths)
-    published = publish_labels(
-        {view: layout.labels_round_dir(last, view) for view in ("a", "b")},
-        [shard_name(p) for p in shard_paths if shard_name(p) in embedded],
-        layout.labels_dir,
-        round_index=last,
-        job_hash=job.stage_hash(),
-        ground_truth=job.eval.ground_truth,
+    embedded = shard_sizes(layout, last, shard_paths)
+    published_paths = [p for p in shard_paths if shard_name(p) in embedded]
+    published = run.run_stage(
+        "publish",
+        published_paths,
+        lambda: publish_labels(
+            {view: layout.labels_round_dir(last, view) for view in ("a", "b")},
+            [shard_name(p) for p in published_paths],
+            layout.labels_dir,
+            round_index=last,
+            job_hash=job.stage_hash(),
+            ground_truth=job.eval.ground_truth,
+        ),
+        # A half-replaced labels/ would mix two configurations: readers find none instead.
+        clear=lambda: _remove(layout.labels_dir),
     )
     run.metrics["labels"] = published
     run.metrics["coteaching"] = coteaching_table(job, run.rounds, published)
@@ -369,15 +458,37 @@ def _publish(job, layout, shard_paths, run: _RunRecord, last: int) -> None:
     logger.info(f"labels: {layout.labels_dir}/ (read with pipeline.read_labels('{layout.output}'))")
 
 
-def _embed(
-    job: JobConfig,
-    layout: RunLayout,
-    shard_paths: list[str],
-    round_index: int,
-    views: dict[str, ModelSpec],
-) -> dict:
+def _embed(run: _RunRecord, shard_paths: list[str], round_index: int, views) -> dict:
+    """An embed pass over the shards whose table is missing or of another key."""
+    from pipeline.io.admitted import shard_size
     from pipeline.stages.embed import EmbedSpec, run_embed_pass
 
+    job, layout, state = run.job, run.layout, run.state
+    node = run.graph[f"round{round_index}/embed"]
+    base = embed_base(job, node, state.tokens)
+    paths = {shard_name(p): p for p in shard_paths}
+    if round_index == 0:
+        run.shard_keys = {
+            name: shard_key(base.key, shard_identity(name, shard_size(path), path))
+            for name, path in paths.items()
+        }
+        expected = dict(run.shard_keys)
+    else:
+        expected = {name: shard_key(base.key, run.shard_keys[name]) for name in paths}
+    tables = {name: layout.embeddings(round_index, name) for name in paths}
+    found = table_keys(tables)
+    pending = pending_shards(expected, found)
+    if any(name in state.recomputed for name in node.inputs):
+        pending = list(expected)  # its models may differ bit for bit under the same key
+    recorded = state.records.get(node.stage)
+    if pending:
+        why = embed_reason(base, recorded, pending, found, state.recomputed)
+        logger.info(
+            f"{node.stage}: recomputed because {why}; {len(paths) - len(pending)} of "
+            f"{len(paths)} shards reused"
+        )
+        _remove(*(tables[name] for name in pending if found[name] is not None))
+        state.start(base)
     spec = EmbedSpec(
         output=layout.output,
         round_index=round_index,
@@ -386,164 +497,20 @@ def _embed(
         embed=job.embed,
         decode=decode_options(job),
         write_quarantine=round_index == 0,  # the input does not change between rounds
+        shard_keys=expected,
     )
-    return run_embed_pass(spec, shard_paths)
-
-
-def _shard_sizes(layout: RunLayout, round_index: int, shard_paths: list[str]) -> dict[str, int]:
-    """Usable samples per shard, from the embed pass's Parquet footers (no data read)."""
-    import pyarrow.parquet as pq
-
-    from pipeline.io.tables import file_exists
-
-    sizes = {}
-    for path in shard_paths:
-        table_path = layout.embeddings(round_index, shard_name(path))
-        if file_exists(table_path):
-            sizes[shard_name(path)] = pq.read_metadata(table_path).num_rows
-    return sizes
-
-
-def round_models(job: JobConfig, checkpoints: dict[str, str]) -> dict[str, ModelSpec]:
-    """Embed views a and b: the latest checkpoints of A and B, else the job's model (seeds
-    job.seed and job.seed + 1, so random-init views differ)."""
-    return {
-        view: ModelSpec(
-            job.model.name,
-            checkpoints.get(view.upper(), job.model.pretrained),
-            job.model.precision,
-            seed=job.seed + offset,
-        )
-        for offset, view in enumerate(("a", "b"))
-    }
-
-
-def _train_settings(job: JobConfig, layout: RunLayout, shard_paths: list[str]) -> dict:
-    """TrainSpec fields shared by the warm-up and the co-teaching rounds."""
-    from pipeline.runtime import cluster_resources
-
-    _, gpus = cluster_resources()
-
-    def held_out(patterns) -> tuple[str, ...]:
-        return tuple(expand_shard_patterns(patterns)) if patterns is not None else ()
-
-    return {
-        "output": layout.output,
-        "shards": tuple(shard_paths),
-        "val_shards": held_out(job.eval.val_shards),
-        "test_shards": held_out(job.eval.test_shards),
-        "train": job.train,
-        "precision": job.model.precision,
-        "use_gpu": gpus > 0,
-        "decode": decode_options(job),
-    }
-
-
-def warmup_spec(job: JobConfig, layout: RunLayout, shard_paths: list[str]):
-    """Round 0 training: warm up views A and B (seeds differ) from the job's model."""
-    from pipeline.stages.train import TrainSpec, ViewSpec
-
-    initial = round_models(job, {})
-    views = tuple(
-        ViewSpec(name=name, init=initial[name.lower()], seed=job.seed + offset)
-        for offset, name in enumerate(("A", "B"))
-    )
-    return TrainSpec(
-        **_train_settings(job, layout, shard_paths),
-        round_index=0,
-        views=views,
-        shard_sizes=_shard_sizes(layout, 0, shard_paths),
-        mode="warmup",
-        max_epochs=job.train.warmup_epochs,
-    )
-
-
-def coteach_spec(
-    job: JobConfig,
-    layout: RunLayout,
-    shard_paths: list[str],
-    round_index: int,
-    checkpoints: dict[str, str],
-):
-    """Round r >= 1 training: A on the labels B estimated (labels_b), B on labels_a.
-
-    train.mode vanilla trains both on every pair (weight 1), oracle on the ground-truth clean
-    pairs only: the same trainer, data path and schedule, for an honest comparison.
-    """
-    from pipeline.core.labels import get_method
-    from pipeline.stages.publish import write_oracle_labels
-    from pipeline.stages.train import TrainSpec, ViewSpec
-
-    train = job.train
-    sizes = _shard_sizes(layout, round_index, shard_paths)
-    oracle_dir = f"{layout.round_dir(round_index)}/labels_oracle"
-    if train.mode == "oracle":
-        embeddings = {shard: layout.embeddings(round_index, shard) for shard in sizes}
-        sizes = write_oracle_labels(job.eval.ground_truth, embeddings, oracle_dir)
-    elif train.mode == "cosine_filter":
-        oracle_dir, sizes = _cosine_filter(job, layout, sizes)
-    method = get_method(job.labels.method)
-    models = round_models(job, checkpoints)
-    views = []
-    for offset, (name, peer) in enumerate((("A", "b"), ("B", "a"))):
-        labels_dir, proxies_dir, target, cut = None, None, "weights", 0.0
-        if train.mode == "coteach":
-            cut = method.weight_cut(getattr(job.labels, method.name, None))
-            labels_dir, target = layout.labels_round_dir(round_index, peer), method.training_target
-            if method.proxy_table:
-                proxies_dir = layout.sps_proxies_dir(round_index, peer)
-        elif train.mode in ("oracle", "cosine_filter"):
-            labels_dir = oracle_dir
-        views.append(
-            ViewSpec(
-                name=name,
-                init=models[name.lower()],
-                # A new data order every round (the epoch counter restarts in each run).
-                seed=job.seed + offset + 1000 * round_index,
-                labels_dir=labels_dir,
-                target=target,
-                weight_cut=cut,
-                proxies_dir=proxies_dir,
-            )
-        )
-    epochs = train.epochs_per_round
-    return TrainSpec(
-        **_train_settings(job, layout, shard_paths),
-        round_index=round_index,
-        views=tuple(views),
-        shard_sizes=sizes,
-        mode="labels",
-        max_epochs=epochs,
-        coteach_epochs=((round_index - 1) * epochs, train.rounds * epochs),
-    )
-
-
-def _cosine_filter(job: JobConfig, layout: RunLayout, sizes: dict[str, int]):
-    """train.mode cosine_filter: the pairs kept by the warmed models' cosines (round 1's
-    embeddings), computed once and reused by every round. Returns (folder, kept per shard)."""
-    import pyarrow.parquet as pq
-
-    from pipeline.core.mixture import MixtureFit
-    from pipeline.io.tables import file_exists
-    from pipeline.stages.cosine_filter import write_cosine_filter
-
-    fraction = job.train.filter_fraction
-    if fraction is None:  # the clean share the mixtures found under the warmed models
-        weights = []
-        for view in ("a", "b"):
-            fit = MixtureFit.from_dict(read_json(layout.mixture(1, view))["fits"][job.mixture.kind])
-            weights.append(1.0 if fit.no_spread else fit.weights[fit.clean_component])
-        fraction = float(np.mean(weights))
-    folder = f"{layout.round_dir(1)}/labels_cosine_filter"
-    record = read_json(f"{folder}/_filter.json") or {}
-    if record.get("fraction") == fraction and all(
-        file_exists(f"{folder}/{s}.parquet") for s in sizes
-    ):
-        return folder, {s: pq.read_metadata(f"{folder}/{s}.parquet").num_rows for s in sizes}
-    embeddings = {shard: layout.embeddings(1, shard) for shard in sizes}
-    kept = write_cosine_filter(embeddings, folder, fraction)
-    write_json_atomic({"fraction": fraction, "kept": kept}, f"{folder}/_filter.json")
-    return folder, kept
+    summary = run_embed_pass(spec, [paths[name] for name in pending], len(paths) - len(pending))
+    after = {**found, **table_keys({name: tables[name] for name in pending})}
+    final = embed_key(base, {n: k for n, k in expected.items() if after.get(n) == k})
+    if not pending:
+        logger.info(f"{node.stage}: reused")
+        if recorded and recorded.get("key") == final.key and recorded.get("status") == "done":
+            state.tokens[node.stage] = final.key
+            return summary
+        state.start(base)  # every table is there under its key, only the record is not
+    written = any(after.get(name) == expected[name] for name in pending)
+    state.finish(node.stage, summary, final=final, recomputed=written)
+    return summary
 
 
 def coteaching_table(job: JobConfig, rounds: dict, published: dict) -> list[dict]:

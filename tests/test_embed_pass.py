@@ -18,7 +18,7 @@ from shard_fixtures import write_corrupt_shard
 from pipeline.config import load_job
 from pipeline.data.synthetic import make_corpus
 from pipeline.io.shards import IMAGE_EXTENSIONS, RawRecord, iter_shard_records, shard_name
-from pipeline.runner import RunConflictError, run_job
+from pipeline.runner import run_job
 
 pytestmark = pytest.mark.ray
 
@@ -196,11 +196,18 @@ def test_rerun_skips_complete_shards_and_redoes_partial_ones(local_ray, corpus, 
     assert first["embedded"] == sum(pq.read_metadata(p).num_rows for p in emb_dir.glob("*.parquet"))
 
 
-def test_changed_configuration_refuses_to_resume(local_ray, corpus, tmp_path):
+def test_changed_configuration_recomputes_the_embeddings(local_ray, corpus, tmp_path):
+    """A changed seed is no conflict any more: a rerun recomputes the embeddings and everything
+    after them (what `ncl-pipeline status --job` predicts; tests/test_rerun.py runs reruns)."""
+    from pipeline.run_status import predict_rerun
+
     path = _write_job(tmp_path, corpus["shards"][:1])
     run_job(load_job(path))
-    with pytest.raises(RunConflictError, match="different configuration"):
-        run_job(load_job(path, ["seed=4"]))
+    job = load_job(path, ["seed=4"])
+    decisions = predict_rerun(job.output, job).decisions
+    assert decisions["round0/embed"].describe() == "recomputed because seed changed"
+    assert not any(d.reuse for d in decisions.values())
+    assert all(d.reuse for d in predict_rerun(job.output, load_job(path)).decisions.values())
 
 
 def _is_loopback(ip: str) -> bool:

@@ -26,6 +26,7 @@ __all__ = [
     "changed_shards",
     "fingerprint_change",
     "read_reference",
+    "shard_size",
 ]
 
 SHARD_BYTES_KEY = "ncl.shard_bytes"
@@ -75,7 +76,8 @@ def fingerprint_change(
     return None
 
 
-def _size(path: str) -> int | None:
+def shard_size(path: str) -> int | None:
+    """The file's size in bytes (one `stat`), None when it is not there."""
     import fsspec
 
     try:
@@ -95,7 +97,7 @@ def changed_shards(recorded: dict[str, tuple[str, int | None]]) -> dict[str, str
     for shard, (path, size) in recorded.items():
         if path.startswith("pipe:"):
             continue  # a command's output has no size to check before reading it
-        now = _size(path)
+        now = shard_size(path)
         if now is None:
             changed[shard] = f"shard {path!r} disappeared after its embed pass"
         elif size is not None and now != size:

@@ -90,5 +90,6 @@ class RunLayout:
         return self._join("rounds", round_index, "checkpoints", view, "best_model.pt")
 
     def train_summary(self, round_index: int) -> str:
-        """Written last by training: its presence marks the round's training complete."""
+        """Written last by training (the round's summary; whether the round is complete and
+        current is the run state's record in manifest.json, `pipeline.run_state`)."""
         return self._join("rounds", round_index, "checkpoints", "train_summary.json")

@@ -6,8 +6,9 @@ Contract:
   is a shard path and each output row a small per-shard summary (counts, timings). Per-sample
   data goes straight to `rounds/<r>/embeddings/<shard>.parquet` and never to the driver.
 - Per shard it writes `quarantine/<shard>.parquet` first (when asked to), then the embeddings
-  table, atomically; the embeddings file is the shard's completion marker, so a rerun skips
-  shards whose file exists and recomputes the rest.
+  table, atomically, with the shard's run-state key in its footer (`ncl.stage_key`): the table
+  is the shard's completion marker, and the driver (`pipeline.run_state`) passes only the shards
+  whose table is missing or of another key.
 - Losses follow docs/methods.md §1: embeddings are computed per sample, then losses on seeded,
   fixed-size batches of `batch_size` within the shard (remainder batch filled with other
   samples of the shard whose losses are discarded).
@@ -32,6 +33,7 @@ import logging
 import time
 import zlib
 from collections import Counter
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -62,6 +64,7 @@ from pipeline.io.shards import (
 )
 from pipeline.io.tables import QUARANTINE_SCHEMA, embedding_schema, write_table_atomic
 from pipeline.models import LoadedClip, ModelSpec, encode_pairs, load_clip
+from pipeline.run_state import STAGE_KEY_META
 
 __all__ = ["EmbedSpec", "EmbedShardStage", "SUMMARY_COLUMNS", "embed_shard"]
 
@@ -97,6 +100,7 @@ class EmbedSpec:
     decode: DecodeOptions = field(default_factory=DecodeOptions)
     write_quarantine: bool = True  # only round 0 records quarantine; later rounds re-read
     device: str = "auto"
+    shard_keys: Mapping[str, str] = field(default_factory=dict)  # shard -> run-state key (footer)
 
 
 @dataclass
@@ -317,6 +321,8 @@ def _write_embeddings(
         "ncl.batch_size": str(spec.embed.batch_size),
         "ncl.seed": str(spec.seed),
     }
+    if shard in spec.shard_keys:
+        metadata[STAGE_KEY_META] = spec.shard_keys[shard]
     if stats.sha256 is not None:  # the file as read: later readers check they read the same
         metadata[SHARD_BYTES_KEY] = str(stats.size)
         metadata[SHARD_SHA256_KEY] = stats.sha256
@@ -448,37 +454,26 @@ def _embed_pending(spec: EmbedSpec, pending: list[str], tally: _PassTally, start
             progress.update(done, note=pairs)
 
 
-def run_embed_pass(spec: EmbedSpec, shard_paths: list[str]) -> dict:
-    """Embed every shard whose output is missing, on a Ray Data actor pool.
+def run_embed_pass(spec: EmbedSpec, shard_paths: list[str], reused: int = 0) -> dict:
+    """Embed every shard of `shard_paths` on a Ray Data actor pool (the driver chose them:
+    `reused` more shards of the pass already have their table).
 
     The actors send nothing to the terminal: each returns its shard's summary row and the
     driver logs one line per finished shard (a warning for a failed or truncated shard).
 
     Returns the pass summary: counts (read, embedded, quarantined by reason), throughput and
-    failed shards, aggregated from the per-shard rows as they stream back. Shards already
-    complete are skipped and counted from their files' metadata only.
+    failed shards, aggregated from the per-shard rows as they stream back.
     """
-    from pipeline.io.tables import file_exists
-
-    layout = RunLayout(spec.output)
-    pending = [
-        p
-        for p in shard_paths
-        if not file_exists(layout.embeddings(spec.round_index, shard_name(p)))
-    ]
-    skipped = len(shard_paths) - len(pending)
     tally = _PassTally()
     started = time.perf_counter()
-    if skipped:
-        logger.info(f"embed: {skipped} of {len(shard_paths)} shards already complete, skipped")
-    if pending:
-        _embed_pending(spec, pending, tally, started)
+    if shard_paths:
+        _embed_pending(spec, list(shard_paths), tally, started)
     seconds = time.perf_counter() - started
     totals = tally.totals
     return {
         "round": spec.round_index,
-        "shards": len(shard_paths),
-        "shards_skipped": skipped,
+        "shards": len(shard_paths) + reused,
+        "shards_skipped": reused,
         "shards_failed": tally.failed,
         "shards_truncated": tally.truncated,
         "shards_changed": tally.changed,
@@ -491,5 +486,5 @@ def run_embed_pass(spec: EmbedSpec, shard_paths: list[str]) -> dict:
         "seconds": seconds,
         # Summed per-shard busy time: throughput without start-up.
         "actor_seconds": tally.actor_seconds,
-        "pairs_per_second": totals["embedded"] / seconds if seconds > 0 and pending else None,
+        "pairs_per_second": totals["embedded"] / seconds if seconds > 0 and shard_paths else None,
     }

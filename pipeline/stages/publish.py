@@ -207,14 +207,14 @@ def publish_labels(
     ground_truth: str | None = None,
     embeddings_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Write the final label tables from two views' tables of one round (skip if done).
+    """Write the final label tables from two views' tables of one round.
 
     Args:
         sources: {view: folder of that view's label tables}, exactly two views.
         shards: shard names to combine (every shard with embedded samples).
         out_dir: the run's `labels/`.
         round_index: the round the views come from (recorded in the summary).
-        job_hash: recorded; a rerun with the same hash, round and shards is skipped.
+        job_hash: recorded in the summary (lineage).
         ground_truth: ground_truth.parquet -> quality of the combined labels.
         embeddings_dir: the round's embeddings folder (uid, image_sha256); default
             `rounds/<r>/embeddings` beside the view folders.
@@ -226,15 +226,6 @@ def publish_labels(
 
     if len(sources) != 2:
         raise ValueError(f"publish_labels combines two views, got {sorted(sources)}")
-    previous = read_json(f"{out_dir}/{SUMMARY_NAME}")
-    if (
-        previous
-        and previous.get("job_hash") == job_hash
-        and previous.get("round") == round_index
-        and previous.get("shards_labelled") == list(shards)
-    ):
-        logger.info(f"labels: {out_dir}/ already published from round {round_index}, skipped")
-        return {**previous, "skipped": True}
     started = time.perf_counter()
     task = ray.remote(combine_shard).options(num_cpus=1, max_retries=2)
     refs = [task.remote(s, sources, out_dir, ground_truth, embeddings_dir) for s in shards]
@@ -261,7 +252,7 @@ def publish_labels(
         "seconds": time.perf_counter() - started,
     }
     write_json_atomic(summary, f"{out_dir}/{SUMMARY_NAME}")
-    return {**summary, "skipped": False}
+    return summary
 
 
 def write_oracle_labels(

@@ -5,8 +5,8 @@ Contract (docs/architecture.md, "The label pass"):
   writes `spec.out_dir/<shard>.parquet` in the label-table schema, one row per embedded sample;
   also `rounds/<r>/mixture_<view>.json` (every fit), the method's proxies table if it has one,
   the FAISS index shards under `rounds/<r>/index_<view>/`, and last `spec.out_dir/
-  _label_pass.json` (the summary: it marks the pass complete; a rerun with the same job hash
-  returns it without recomputing).
+  _label_pass.json` (the summary). Whether a pass runs at all is the run state's decision
+  (`pipeline.run_state`): called, it always computes.
 - Steps, each a Ray task per shard (or an actor per index shard); the driver folds only O(bins)
   histograms, counts, a few cut points and metrics, never a per-sample list:
   1. rows and loss ranges; 2. histograms -> BMM/GMM fits; 3. partition counts and the method's
@@ -29,7 +29,7 @@ from pipeline.core.select import radix_select
 from pipeline.io.ground_truth import quality_from_parts
 from pipeline.io.labels import SUBSET_VALUES
 from pipeline.io.layout import RunLayout
-from pipeline.io.tables import file_exists, read_json, write_json_atomic
+from pipeline.io.tables import file_exists, write_json_atomic
 from pipeline.stages.labels import shard_tasks
 from pipeline.stages.labels.index_actors import (
     actor_neighbours,
@@ -63,23 +63,6 @@ def _map(fn, spec: LabelSpec, shards: list[str], *per_shard, shared=()) -> list:
     return ray.get(
         [task.remote(spec, s, *c, *shared) for s, c in zip(shards, columns, strict=True)]
     )
-
-
-def _previous_summary(spec: LabelSpec, shards: list[str]) -> dict | None:
-    summary = read_json(f"{spec.out_dir}/{SUMMARY_NAME}")
-    if not summary or not spec.job_hash:
-        return None
-    same = (
-        summary.get("job_hash") == spec.job_hash
-        and summary.get("round") == spec.round_index
-        and summary.get("view") == spec.view
-        and summary.get("method") == spec.labels.method
-        and summary.get("trainee_view", spec.view) == spec.labelling_view
-        and summary.get("shards_labelled") == shards
-    )
-    if same and all(file_exists(f"{spec.out_dir}/{s}.parquet") for s in shards):
-        return summary
-    return None
 
 
 def _fit_mixtures(spec: LabelSpec, shards: list[str], infos: list[dict]) -> dict[str, MixtureFit]:
@@ -272,10 +255,6 @@ def run_label_pass(spec: LabelSpec) -> dict[str, Any]:
 
     clock = _Clock()
     shards, missing = _embedded_shards(spec)
-    previous = _previous_summary(spec, shards)
-    if previous is not None:
-        logger.info(f"labels: {spec.out_dir} already complete for this job, skipped")
-        return {**previous, "skipped": True}
     infos, offsets, total = _scan(spec, shards)
     logger.debug(f"labels: {total} pairs in {len(shards)} shards (view {spec.view})")
     clock.step("ranges")
@@ -314,7 +293,7 @@ def run_label_pass(spec: LabelSpec) -> dict[str, Any]:
         + (f", label AUROC {auroc:.3f}" if auroc is not None else "")
         + f" in {summary['seconds']['total']:.1f}s -> {spec.out_dir}"
     )
-    return {**summary, "skipped": False}
+    return summary
 
 
 def _summary(spec, shards, missing, total, results, fits, partition, index_info) -> dict:

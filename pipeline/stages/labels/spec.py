@@ -29,7 +29,7 @@ class LabelSpec:
     mixture: MixtureConfig = field(default_factory=MixtureConfig)
     index: IndexConfig = field(default_factory=IndexConfig)
     ground_truth: str | None = None  # ground_truth.parquet -> label quality in the summary
-    job_hash: str = ""  # written into every table; a rerun with the same hash is skipped
+    job_hash: str = ""  # written into every table (lineage)
     model_id: str | None = None  # None: taken from the embeddings' metadata
     shard_paths: tuple[str, ...] = ()  # source tars aligned with `shards` (report thumbnails)
     seed: int = 0  # in-batch anchors and P^ batches

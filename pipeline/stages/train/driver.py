@@ -1,4 +1,5 @@
-"""`run_training`: one Ray Train `TorchTrainer` for a round (skipped when complete)."""
+"""`run_training`: one Ray Train `TorchTrainer` for a round (whether to run it at all is the
+run state's decision: `pipeline.run_state`)."""
 
 from __future__ import annotations
 
@@ -88,7 +89,8 @@ class _EpochBars:
 
 
 def run_training(spec: TrainSpec) -> dict:
-    """Train the views of `spec` on Ray Train (skipped when the round's training is complete).
+    """Train the views of `spec` on Ray Train; a `resume.pt` left by an interrupted run of
+    the same round is resumed (the driver deletes the round's checkpoints when its key changed).
 
     Returns:
         The round's train summary (per view: epochs, steps, loss/rSum history, kept epoch).
@@ -98,10 +100,6 @@ def run_training(spec: TrainSpec) -> dict:
     from ray.train.torch import TorchTrainer
 
     layout = RunLayout(spec.output)
-    done = read_json(layout.train_summary(spec.round_index))
-    if done is not None:
-        logger.info(f"train: round {spec.round_index} already complete, skipped")
-        return done
     if steps_per_epoch(spec, spec.train.workers) == 0:
         from pipeline.config import JobConfigError
 

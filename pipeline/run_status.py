@@ -1,0 +1,174 @@
+"""`ncl-pipeline status RUN`: a run directory's stages (done, pending, stale), their times, and
+what a rerun would reuse and recompute; no Ray, nothing written.
+
+The prediction uses the run state's own functions (`pipeline.run_state`: the stage graph, the
+keys, `decide`) on what is on disk: the manifest's stage records, the embeddings footers, the
+stages' outputs and the input shards' sizes. It assumes that a shard without embeddings is
+embedded by the rerun, except a shard that failed last time (`shards.failed` in the manifest):
+that one is assumed to fail again (said in the output).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from pipeline.config import JobConfig
+from pipeline.io.layout import RunLayout
+from pipeline.io.shards import expand_shard_patterns, shard_name
+from pipeline.io.tables import read_json
+from pipeline.run_state import (
+    Decision,
+    embed_base,
+    embed_key,
+    embed_reason,
+    outputs_present,
+    pending_shards,
+    shard_identity,
+    shard_key,
+    shards_token,
+    stage_graph,
+    stage_key,
+    table_keys,
+)
+
+__all__ = ["RunStatusError", "Prediction", "predict_rerun", "run_status"]
+
+
+class RunStatusError(ValueError):
+    """The directory is not a run directory (no manifest.json); the message says so."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    decisions: dict[str, Decision]  # stage -> reuse or recompute (and why), in run order
+    shards: int  # input shards of the job
+    retried: list[str]  # shards that failed last time, assumed to fail again
+
+
+def _manifest(run_dir: str) -> dict:
+    manifest = read_json(RunLayout(run_dir).manifest)
+    if not manifest or "job" not in manifest:
+        raise RunStatusError(f"{run_dir} is not a run directory: it has no manifest.json")
+    return manifest
+
+
+def _embed_decision(job, node, layout, state, usable: dict[str, str], retried: dict[str, str]):
+    """An embed pass: reused when every usable shard has its table under its key. Returns
+    (decision, its token, whether its readers count it as recomputed: a retried shard that
+    fails again changes nothing downstream)."""
+    base = embed_base(job, node, state["tokens"])
+    if node.round_index == 0:
+        expected = {**usable, **retried}
+    else:
+        expected = {name: shard_key(base.key, key) for name, key in usable.items()}
+    found = table_keys({name: layout.embeddings(node.round_index, name) for name in expected})
+    pending = pending_shards(expected, found)
+    if any(name in state["recomputed"] for name in node.inputs):
+        pending = list(expected)
+    final = embed_key(base, {name: expected[name] for name in usable if name in expected})
+    if not pending:
+        return Decision(node.stage, True), final.key, False
+    why = embed_reason(base, state["records"].get(node.stage), pending, found, state["recomputed"])
+    return Decision(node.stage, False, why), final.key, any(s not in retried for s in pending)
+
+
+def predict_rerun(run_dir: str, job: JobConfig, manifest: dict | None = None) -> Prediction:
+    """What `run_job(job)` into `run_dir` would reuse and recompute, stage by stage."""
+    from pipeline.io.admitted import shard_size
+    from pipeline.run_state import decide
+
+    manifest = manifest if manifest is not None else _manifest(run_dir)
+    layout = RunLayout(run_dir)
+    graph = stage_graph(job)
+    paths = {shard_name(p): p for p in expand_shard_patterns(job.input.shards)}
+    base = embed_base(job, graph[0], {})
+    keys = {
+        name: shard_key(base.key, shard_identity(name, shard_size(path), path))
+        for name, path in paths.items()
+    }
+    found = table_keys({name: layout.embeddings(0, name) for name in keys})
+    failed = {f["shard"] for f in (manifest.get("shards") or {}).get("failed", [])}
+    retried = sorted(name for name in keys if found[name] is None and name in failed)
+    usable = {name: key for name, key in keys.items() if name not in retried}
+    retried_keys = {name: keys[name] for name in retried}
+    state = {"records": manifest.get("stages") or {}, "tokens": {}, "recomputed": set()}
+    decisions: dict[str, Decision] = {}
+    shards = shards_token(usable)
+    for node in graph:
+        if node.kind == "embed":
+            decision, token, changed = _embed_decision(
+                job, node, layout, state, usable, retried_keys
+            )
+        else:
+            current = stage_key(job, node, state["tokens"], shards)
+            recorded = state["records"].get(node.stage) or {}
+            present = True
+            if recorded.get("key") == current.key and recorded.get("status") == "done":
+                present = outputs_present(layout, node, list(usable))
+            decision = decide(
+                current,
+                state["records"].get(node.stage),
+                recomputed=state["recomputed"],
+                outputs_present=present,
+            )
+            token, changed = current.key, not decision.reuse
+        state["tokens"][node.stage] = token
+        if changed:
+            state["recomputed"].add(node.stage)
+        decisions[node.stage] = decision
+    return Prediction(decisions, len(paths), retried)
+
+
+def _state(record: dict | None, decision: Decision) -> str:
+    if record is None:
+        return "pending"
+    if record.get("status") != "done":
+        return "pending (interrupted)"
+    return "done" if decision.reuse else "stale"
+
+
+def _took(record: dict | None) -> str:
+    seconds = (record or {}).get("seconds")
+    return "-" if seconds is None else f"{seconds:.1f}s"
+
+
+def run_status(run_dir: str | os.PathLike, job: JobConfig | None = None, label: str = "") -> str:
+    """The status of `run_dir` as text; with `job`, also what a rerun of `job` would do.
+
+    Raises:
+        RunStatusError: no manifest.json, or its recorded job no longer validates.
+    """
+    from pipeline.inspect_run import quarantine_lines
+
+    run_dir = os.fspath(run_dir).rstrip("/")
+    manifest = _manifest(run_dir)
+    try:
+        recorded = JobConfig.model_validate(manifest["job"])
+    except ValueError as exc:
+        raise RunStatusError(f"the job recorded in {run_dir}/manifest.json: {exc}") from exc
+    mine = predict_rerun(run_dir, recorded, manifest)
+    records = manifest.get("stages") or {}
+    lines = [
+        f"run {run_dir}: job '{manifest.get('job_name')}', {mine.shards} input shards",
+        f"  {'stage':<17} {'state':<21} {'finished (UTC)':<26} {'took':>8}  rerun of the "
+        "recorded job",
+    ]
+    for stage, decision in mine.decisions.items():
+        record = records.get(stage)
+        finished = (record or {}).get("finished_at") or "-"
+        lines.append(
+            f"  {stage:<17} {_state(record, decision):<21} {finished:<26} {_took(record):>8}  "
+            f"{decision.describe()}"
+        )
+    if mine.retried:
+        lines.append(
+            f"  {len(mine.retried)} shard(s) failed last time and are retried by a rerun "
+            f"(assumed to fail again above): {', '.join(mine.retried)}"
+        )
+    if job is not None:
+        theirs = predict_rerun(run_dir, job, manifest)
+        lines.append(f"a rerun of {label or 'the given job'} into this directory would:")
+        lines += [f"  {s:<17} {d.describe()}" for s, d in theirs.decisions.items()]
+    lines += quarantine_lines(run_dir)
+    return "\n".join(lines)

@@ -1,0 +1,159 @@
+"""The run state's pure parts: which config keys each stage hashes, the stage graph, and the
+reuse / recompute decision with its reason (no Ray, no files)."""
+
+from __future__ import annotations
+
+from pipeline.config import JobConfig
+from pipeline.run_state import (
+    RunState,
+    StageKey,
+    decide,
+    embed_reason,
+    pending_shards,
+    shard_key,
+    shards_token,
+    stage_config,
+    stage_graph,
+)
+
+
+def _job(**sections) -> JobConfig:
+    base = {
+        "name": "unit",
+        "input": {"shards": "/data/{00000..00003}.tar"},
+        "output": "/tmp/out",
+        "model": {"name": "ncl-tiny"},
+        "train": {"rounds": 1},
+    }
+    for section, values in sections.items():
+        base[section] = {**base.get(section, {}), **values} if isinstance(values, dict) else values
+    return JobConfig.model_validate(base)
+
+
+def test_each_stage_hashes_exactly_the_keys_it_depends_on():
+    job = _job()
+    embed = stage_config(job, "embed")
+    assert "embed.batch_size" in embed and "model.name" in embed and "seed" in embed
+    # Resources and the shard list (decided per shard) are not part of an embed key.
+    assert not {"embed.concurrency", "embed.decode_threads", "input.shards"} & set(embed)
+    warmup = stage_config(job, "warmup")
+    assert "train.lr" in warmup and "train.warmup.mode" in warmup
+    assert not {"train.rounds", "train.mode", "labels.method", "train.torch_threads"} & set(warmup)
+    labels = stage_config(job, "labels")
+    assert "labels.bicro.theta" in labels and "mixture.kind" in labels
+    assert not any(k.startswith(("labels.rcr", "labels.sps", "train.")) for k in labels)
+    assert "index.shards" not in labels  # the labels are the same whatever the index shards
+    train = stage_config(job, "train")
+    assert {"train.rounds", "train.lr", "labels.method", "labels.bicro.theta"} <= set(train)
+    vanilla = stage_config(_job(train={"rounds": 1, "mode": "vanilla"}), "train")
+    assert "labels.method" not in vanilla  # vanilla does not read the labels
+    # Changing a resource key changes no stage's config.
+    faster = _job(embed={"concurrency": 4}, train={"rounds": 1, "torch_threads": 2})
+    for kind in ("embed", "warmup", "labels", "train", "publish"):
+        assert stage_config(faster, kind) == stage_config(job, kind)
+
+
+def test_stage_graph_follows_the_runner_and_train_mode():
+    job = _job()
+    nodes = {n.stage: n for n in stage_graph(job)}
+    assert list(nodes) == [
+        "round0/embed",
+        "round0/keys",
+        "round0/warmup",
+        "round1/embed",
+        "round1/labels_a",
+        "round1/labels_b",
+        "round1/train",
+        "round2/embed",
+        "round2/labels_a",
+        "round2/labels_b",
+        "publish",
+    ]
+    assert nodes["round1/train"].inputs == (
+        "round1/embed",
+        "round0/warmup",
+        "round1/labels_a",
+        "round1/labels_b",
+    )
+    assert nodes["round2/embed"].inputs == ("round0/keys", "round1/train")
+    vanilla = {n.stage: n for n in stage_graph(_job(train={"rounds": 1, "mode": "vanilla"}))}
+    assert vanilla["round1/train"].inputs == ("round1/embed", "round0/warmup")
+    cold = {n.stage: n for n in stage_graph(_job(train={"rounds": 0, "warmup_epochs": 0}))}
+    assert "round0/warmup" not in cold and cold["round1/embed"].inputs == ("round0/keys",)
+
+
+def _key(lr=1e-3, warmup="w1", shards="s1") -> StageKey:
+    return StageKey("round1/train", {"train.lr": lr}, {"round0/warmup": warmup, "shards": shards})
+
+
+def _done(key: StageKey, **extra) -> dict:
+    return {
+        "key": key.key,
+        "config": dict(key.config),
+        "inputs": dict(key.inputs),
+        "status": "done",
+        "summary": {},
+        **extra,
+    }
+
+
+def test_decide_reuses_only_an_identical_complete_stage():
+    key = _key()
+    assert decide(key, _done(key)).reuse
+    assert decide(key, None).describe() == "recomputed because it has not run before"
+    assert decide(_key(lr=2e-3), _done(key)).describe() == ("recomputed because train.lr changed")
+    assert decide(_key(warmup="w2"), _done(key), recomputed={"round0/warmup"}).reason == (
+        "its input round0/warmup was recomputed"
+    )
+    assert decide(_key(shards="s2"), _done(key)).reason == "input shards changed"
+    # Same key, but an input was recomputed in this run (its bytes may differ: GPU training).
+    assert not decide(key, _done(key), recomputed={"round0/warmup"}).reuse
+    interrupted = decide(key, {**_done(key), "status": "running"})
+    assert not interrupted.reuse and interrupted.resume
+    assert decide(key, _done(key), outputs_present=False).reason == "its outputs are missing"
+    old = decide(key, {"complete": True, "finished_at": "2026-01-01"})
+    assert "older run directory" in old.reason
+    both = decide(_key(lr=2e-3, warmup="w2"), _done(key), recomputed={"round0/warmup"})
+    assert both.reason == "train.lr changed; its input round0/warmup was recomputed"
+
+
+def test_shard_keys_reuse_shards_one_by_one():
+    base = StageKey("round0/embed", {"seed": 0}).key
+    expected = {s: shard_key(base, f"{s}:100") for s in ("00000", "00001", "00002")}
+    found = {"00000": expected["00000"], "00001": "other", "00002": None}
+    assert pending_shards(expected, found) == ["00001", "00002"]
+    why = embed_reason(StageKey("round0/embed", {"seed": 0}), None, ["00001", "00002"], found)
+    assert (
+        why == "input shards changed (no embeddings yet: 00002; embedded under another key: 00001)"
+    )
+    # The key of a shard set depends on names and keys, not on their order.
+    assert shards_token({"a": "1", "b": "2"}) == shards_token({"b": "2", "a": "1"})
+    assert shards_token({"a": "1"}) != shards_token({"a": "1", "b": "2"})
+    recorded = _done(StageKey("round0/embed", {"seed": 0}, {"shards": "x"}))
+    changed = embed_reason(StageKey("round0/embed", {"seed": 1}), recorded, ["00000"], found)
+    assert changed == "seed changed"
+
+
+def test_run_state_records_start_and_finish():
+    saved = []
+    records: dict = {}
+    state = RunState(records, save=lambda: saved.append(dict(records)))
+    key = _key()
+    assert not state.decide(key).reuse
+    state.start(key)
+    assert records["round1/train"]["status"] == "running" and len(saved) == 1
+    state.finish("round1/train", {"views": {}})
+    record = records["round1/train"]
+    assert record["status"] == "done" and record["key"] == key.key and record["seconds"] >= 0
+    assert state.recomputed == {"round1/train"} and state.tokens["round1/train"] == key.key
+    again = RunState(records)
+    assert again.decide(key).reuse and again.summary("round1/train") == {"views": {}}
+
+
+def test_a_changed_method_names_its_sections():
+    job, other = _job(), _job(labels={"method": "rcr"})
+    old, new = (
+        StageKey("l", stage_config(job, "labels")),
+        StageKey("l", stage_config(other, "labels")),
+    )
+    assert decide(new, _done(old)).reason == "labels.method, labels.bicro, labels.rcr changed"
