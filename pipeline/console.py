@@ -43,6 +43,7 @@ __all__ = [
     "ConsoleFormatter",
     "ConsoleHandler",
     "ensure_console",
+    "filter_stderr",
     "is_ray_noise",
     "live_task",
     "quiet_ray",
@@ -208,6 +209,9 @@ RAY_NOISE = tuple(
         r"(Starting execution of|Execution plan of|execution finished in) .*Dataset|"
         r"Dataset .* execution finished in",
         r"Registered dataset logger for dataset",
+        # Ray Data hands Arrow-backed (read-only) arrays to torch; nothing writes to them.
+        r"The given NumPy array is not writable, and PyTorch does not support",
+        r"^\s*result = torch\.as_tensor\(ndarray, dtype=dtype, device=device\)",
     )
 )
 # Actors whose whole output is Ray's internal business: Ray Train's placement-group cleaner
@@ -302,7 +306,13 @@ def quiet_ray() -> None:
                 isinstance(f, _RayNoiseFilter) for f in handler.filters
             ):
                 handler.addFilter(_RayNoiseFilter())
-    if _STATE["stderr"] is None:
+    filter_stderr()
+
+
+def filter_stderr() -> None:
+    """Route file descriptor 2 through the noise filter; called before `ray.init` too, which
+    prints some of its notices while it starts. Does nothing unless the console is ours."""
+    if _STATE["owned"] and _STATE["stderr"] is None:
         _STATE["stderr"] = _StderrLineFilter()
 
 
