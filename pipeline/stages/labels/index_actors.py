@@ -25,7 +25,17 @@ __all__ = ["IndexStoreActor", "actor_neighbours", "build_index_actors", "save_in
 
 
 class IndexStoreActor(IndexStore):
-    """An `IndexStore` that can also write its indexes (the Ray actor class)."""
+    """An `IndexStore` that can also write its indexes (the Ray actor class).
+
+    It indexes on exactly the GPUs Ray granted it (`index.gpus_per_actor`), on CPU without a
+    grant even on a GPU node, and fails at once when a granted GPU is unusable by faiss.
+    """
+
+    def __init__(self, dim: int, factory: str, nprobe: int | None, seed: int) -> None:
+        from pipeline.devices import granted_faiss_gpus
+
+        gpus = granted_faiss_gpus("index actor")
+        super().__init__(dim, factory, nprobe, seed, gpus=gpus)
 
     def save(self, folder: str, role: str, shard: int) -> dict[str, str]:
         """Write both indexes to `<folder>/<role>_<modality>_<shard:03d>.faiss`, atomically,
@@ -83,7 +93,9 @@ def build_index_actors(spec: LabelSpec, row_refs: list, dim: int) -> tuple[list,
     import ray
 
     n_actors = spec.index.shards
-    actor_class = ray.remote(IndexStoreActor).options(max_restarts=0, max_task_retries=0)
+    actor_class = ray.remote(IndexStoreActor).options(
+        max_restarts=0, max_task_retries=0, num_gpus=spec.index.gpus_per_actor
+    )
     actors = [
         actor_class.remote(dim, spec.index.factory, spec.index.nprobe, spec.seed)
         for _ in range(n_actors)
