@@ -78,6 +78,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         )
         return f"Ray cluster at {address}"
     ray.init(
+        # "local": a new private Ray even when a `ray start` cluster runs on this machine
+        # (ray.init() alone would join it, and refuse num_cpus).
+        address="local",
         num_cpus=num_cpus,
         include_dashboard=False,
         log_to_driver=True,

@@ -119,14 +119,18 @@ def test_two_workers_share_every_decision_and_end_by_themselves(corpus, tmp_path
 
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path)
-    done = subprocess.run(
-        [sys.executable, __file__, str(corpus), str(tmp_path / "run")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+    try:
+        done = subprocess.run(
+            [sys.executable, __file__, str(corpus), str(tmp_path / "run")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=540,  # under the suite's 600 s per test: a hang fails here, with its log
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        log = (exc.stdout or b"")[-3000:] + b"\n" + (exc.stderr or b"")[-3000:]
+        pytest.fail(f"two-worker training did not end by itself:\n{log.decode(errors='replace')}")
     assert done.returncode == 0, done.stderr[-4000:]
     layout = RunLayout(str(tmp_path / "run"))
     warm = json.loads(Path(layout.train_summary(0)).read_text())
