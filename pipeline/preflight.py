@@ -106,12 +106,15 @@ def plan_requests(job: JobConfig, cluster_gpus: float) -> list[Request]:
     embed_unit = {"CPU": job.embed.cpus_per_worker}
     if gpus and job.embed.gpus_per_worker > 0:
         embed_unit["GPU"] = job.embed.gpus_per_worker
+    embed_keys = "embed.cpus_per_worker" + (
+        " or embed.gpus_per_worker" if "GPU" in embed_unit else ""
+    )
     requests = [
         Request(
             "embed actor",
-            "embed.cpus_per_worker" + (", embed.gpus_per_worker" if "GPU" in embed_unit else ""),
+            embed_keys,
             embed_unit,
-            fix=f"lower embed.cpus_per_worker (or embed.gpus_per_worker), or {more_cpus}",
+            fix=f"lower {embed_keys}, or {more_cpus}",
         ),
         Request("shard task", "dedup, labels, publish", {"CPU": 1.0}, fix=more_cpus),
     ]
