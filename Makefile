@@ -10,8 +10,9 @@ export RAY_USAGE_STATS_ENABLED := 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
 DEMO_DATA := data/demo
+QUICK_DATA := data/demo-quick
 
-.PHONY: install demo test test-fast lint bench schemas clean
+.PHONY: install demo demo-full test test-fast lint bench schemas clean browser
 
 install: $(STAMP)
 
@@ -28,13 +29,29 @@ $(DEMO_DATA)/val/ground_truth.parquet: | $(STAMP)
 		--partial 0.1 --seed 0 --samples-per-shard 500 --test-samples 500 --val-samples 500 \
 		--corrupt 0.005
 
-demo: $(STAMP) $(DEMO_DATA)/val/ground_truth.parquet
+# The quick first demo: 2,000 pairs, a few minutes on 2 CPU cores (jobs/demo.yaml).
+$(QUICK_DATA)/val/ground_truth.parquet: | $(STAMP)
+	$(BIN)/ncl-pipeline make-corpus --out $(QUICK_DATA) --samples 2000 --noise 0.4 \
+		--partial 0.1 --seed 0 --samples-per-shard 500 --test-samples 500 --val-samples 250 \
+		--corrupt 0.005
+
+demo: $(STAMP) $(QUICK_DATA)/val/ground_truth.parquet
 	$(BIN)/ncl-pipeline run jobs/demo.yaml
 
-test: $(STAMP)
+# The full demo whose figures the README reports (jobs/demo-full.yaml, about 10 minutes).
+demo-full: $(STAMP) $(DEMO_DATA)/val/ground_truth.parquet
+	$(BIN)/ncl-pipeline run jobs/demo-full.yaml
+
+# The report's browser test needs Chromium (Debian's package); installed when missing and root.
+browser:
+	@(command -v chromium && command -v chromedriver) >/dev/null || test "$$(id -u)" != 0 || \
+		(apt-get update -qq && \
+		 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) browser
 	$(BIN)/python -m pytest -m "not slow"
 
 lint: $(STAMP)
@@ -47,4 +64,4 @@ schemas: $(STAMP)
 	$(BIN)/ncl-pipeline schemas --out schemas
 
 clean:
-	rm -rf runs/demo
+	rm -rf runs/demo runs/demo-full

@@ -21,8 +21,8 @@ which model was used.
     python benchmarks/quality.py                       # random tiny model, ~3 min on 2 CPUs
     python benchmarks/quality.py --warmup-epochs 6     # warm-up first
 
-Co-teaching (`--coteach`): per noise level, the corpus `make demo` writes (at that noise) and
-jobs/demo.yaml with only paths and the compared settings overridden, once per train.mode in
+Co-teaching (`--coteach`): per noise level, the corpus `make demo-full` writes (at that noise) and
+jobs/demo-full.yaml with only paths and the compared settings overridden, once per train.mode in
 `--modes` (default coteach, vanilla, cosine_filter, oracle): the same trainer, data path and
 schedule, one shared warm-up (selected on the validation split; rSum reported on the test
 split). `--repeats N` repeats with seeds seed..seed+N-1 and reports medians. Per round: each
@@ -65,7 +65,7 @@ from pipeline.labels import read_labels  # noqa: E402
 from pipeline.runner import resolve_inputs, run_job  # noqa: E402
 from pipeline.stages.labels import LabelSpec, run_label_pass  # noqa: E402
 
-DEMO_CORRUPT = 0.005  # as `make demo` (Makefile): a few undecodable samples on purpose
+DEMO_CORRUPT = 0.005  # as `make demo-full` (Makefile): a few undecodable samples on purpose
 
 QUALITY_KEYS = ("auroc", "spearman", "precision", "recall", "f1")
 
@@ -256,7 +256,7 @@ def _share_warmup(source: str, target: str) -> None:
 
 
 def _demo_corpus(folder: Path, args, noise: float):
-    """The corpus `make demo` writes (same generator arguments), at `noise`."""
+    """The corpus `make demo-full` writes (same generator arguments), at `noise`."""
     corpus = folder / "corpus"
     summary = make_corpus(
         corpus,
@@ -273,8 +273,8 @@ def _demo_corpus(folder: Path, args, noise: float):
 
 
 def _demo_job(corpus: Path, summary, output: Path, mode: str, seed: int, args):
-    """jobs/demo.yaml with only paths and the compared settings overridden: exactly what
-    `ncl-pipeline run jobs/demo.yaml --set ...` runs, so the benchmark and a user's run
+    """jobs/demo-full.yaml with only paths and the compared settings overridden: exactly what
+    `ncl-pipeline run jobs/demo-full.yaml --set ...` runs, so the benchmark and a user's run
     measure one comparison."""
     last = len(summary.shards) - 1
     overrides = {
@@ -297,7 +297,7 @@ def _demo_job(corpus: Path, summary, output: Path, mode: str, seed: int, args):
     if args.num_cpus:
         overrides["ray.num_cpus"] = args.num_cpus
     overrides.update(dict(item.split("=", 1) for item in args.set))
-    return load_job("jobs/demo.yaml", [f"{k}={v}" for k, v in overrides.items()])
+    return load_job("jobs/demo-full.yaml", [f"{k}={v}" for k, v in overrides.items()])
 
 
 def _runs(args) -> list[tuple[str, str | None]]:

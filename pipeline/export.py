@@ -332,27 +332,32 @@ def _export_wds(
 ) -> dict[str, Any]:
     import ray
 
+    from pipeline.progress import Progress, as_completed
     from pipeline.runtime import init_ray
     from pipeline.stages.export import assemble_output_shard, write_shard_part
 
     init_ray(address, num_cpus)
     part_task = ray.remote(write_shard_part).options(num_cpus=1, max_retries=2)
     shards = sorted(files)
-    parts = ray.get(
-        [
-            part_task.remote(s, tars[s], files[s], spec.out, spec.min_label, tuple(spec.subsets))
-            for s in shards
-        ]
-    )
+    refs = [
+        part_task.remote(s, tars[s], files[s], spec.out, spec.min_label, tuple(spec.subsets))
+        for s in shards
+    ]
+    parts: list = [None] * len(refs)
+    with Progress("export: read input shards", len(refs), "shards", log=logger) as progress:
+        for index, part in as_completed(refs):
+            parts[index] = part
+            progress.advance()
     plan = output_ranges([(p["shard"], p["offsets"]) for p in parts], spec.samples_per_shard)
     names = shard_names(len(plan))
     join_task = ray.remote(assemble_output_shard).options(num_cpus=1, max_retries=2)
-    ray.get(
-        [
-            join_task.remote(name, ranges, n, spec.out)
-            for name, (n, ranges) in zip(names, plan, strict=True)
-        ]
-    )
+    refs = [
+        join_task.remote(name, ranges, n, spec.out)
+        for name, (n, ranges) in zip(names, plan, strict=True)
+    ]
+    with Progress("export: write output shards", len(refs), "shards", log=logger) as progress:
+        for _ in as_completed(refs):
+            progress.advance()
     sizes = {f"{name}.tar": n for name, (n, _) in zip(names, plan, strict=True)}
     write_json_atomic(sizes, f"{spec.out}/sizes.json")
     return {

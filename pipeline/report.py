@@ -7,9 +7,13 @@ ground truth; it writes only under `<run>/report/`:
   (each component and the sum) and the clean/noisy threshold of each (BiCro Fig. 4 style);
 - `soft_labels.png`: soft_label and clean_prob histograms split by the true kind (clean /
   partial / mismatched) when ground truth exists, else by subset;
-- `thumbs/*.png` + a gallery of the 24 lowest-labelled pairs: thumbnail (read from the source
-  tar named in the table metadata), caption, label, and the caption of its nearest anchor;
-- `index.html` tying them together with `inspect_run`'s text and the quality table.
+- `rounds.png` and the run's story (`pipeline.report_story`, from metrics.json): label AUROC
+  and held-out rSum per round, mixture fits and the share of pairs per subset of every pass;
+- `thumbs/*.png` + three galleries that help judge the labels: the borderline pairs around the
+  clean/noisy cut, the pairs called clean with the lowest cosine, and those called noisy with
+  the highest cosine; each with thumbnail (read from the source tar named in the table
+  metadata), caption, label, subset, true kind (with ground truth) and the nearest anchor pair;
+- `index.html` tying them together under a short summary and the quality table.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import numpy as np
 
 __all__ = ["write_report"]
 
-GALLERY_SIZE = 24
+GALLERY_SIZE = 12  # pairs per gallery
 THUMB_SIZE = 112
 KIND_COLOURS = {"clean": "tab:green", "partial": "tab:orange", "mismatched": "tab:red"}
 SUBSET_COLOURS = {"clean": "tab:green", "quasi_clean": "tab:orange", "noisy": "tab:red"}
@@ -230,53 +234,120 @@ def _shard_paths(dataset) -> dict[str, str]:
     return shard_paths
 
 
-def _captions_of(dataset, keys: set[str]) -> dict[str, str]:
+def _anchor_info(dataset, keys: set[str]) -> dict[str, tuple[str, str]]:
+    """key -> (shard, caption) of the anchors shown."""
     import pyarrow.compute as pc
 
     if not keys:
         return {}
-    found = dataset.to_table(columns=["key", "caption"], filter=pc.field("key").isin(sorted(keys)))
-    return dict(
-        zip(found.column("key").to_pylist(), found.column("caption").to_pylist(), strict=True)
+    found = dataset.to_table(
+        columns=["key", "shard", "caption"], filter=pc.field("key").isin(sorted(keys))
     )
+    return {
+        key: (shard, caption or "")
+        for key, shard, caption in zip(
+            found.column("key").to_pylist(),
+            found.column("shard").to_pylist(),
+            found.column("caption").to_pylist(),
+            strict=True,
+        )
+    }
 
 
-def _gallery_rows(dataset, table, order, soft, prob, truth_groups, fs, out: str) -> list[str]:
-    """HTML rows of the gallery (thumbnails written on the way); `truth_groups` may be None."""
+def _image(thumbs: dict[str, str], key: str) -> str:
+    if key in thumbs:
+        return f'<img src="{html.escape(thumbs[key])}" alt="{html.escape(key)}">'
+    return "<em>no thumbnail</em>"
+
+
+def _galleries_html(dataset, table, galleries, soft, prob, truth_groups, fs, out) -> str:
+    """The galleries' HTML (thumbnails of the pairs and their anchors written on the way).
+
+    `galleries`: (title, explanation, row indices); `truth_groups` may be None."""
     keys = table.column("key").to_pylist()
     shards = table.column("shard").to_pylist()
-    anchor_keys = table.column("image_anchor_key").to_pylist()
-    text_anchor_keys = table.column("text_anchor_key").to_pylist()
+    anchors = table.column("image_anchor_key").to_pylist()
+    text_anchors = table.column("text_anchor_key").to_pylist()
     captions = table.column("caption").to_pylist()
     subsets = table.column("subset").to_pylist()
+    cosine = table.column("cosine").to_numpy()
+    shown = [int(row) for _, _, rows in galleries for row in rows]
+    anchor_of = {row: anchors[row] or text_anchors[row] for row in shown}
+    info = _anchor_info(dataset, {a for a in anchor_of.values() if a})
     wanted: dict[str, list[str]] = {}
-    for row in order:
+    for row in shown:
         wanted.setdefault(shards[row], []).append(keys[row])
+    for key, (shard, _) in info.items():
+        wanted.setdefault(shard, []).append(key)
     thumbs = _thumbnails(wanted, _shard_paths(dataset), fs, out)
-    anchors = {a for row in order for a in (anchor_keys[row], text_anchor_keys[row]) if a}
-    anchor_caption = _captions_of(dataset, anchors)
 
-    rows_html = []
-    for row in order:
-        key = keys[row]
-        image = (
-            f'<img src="{html.escape(thumbs[key])}" alt="{html.escape(key)}">'
-            if key in thumbs
-            else "<em>no thumbnail</em>"
+    sections = []
+    for title, explanation, rows in galleries:
+        cells = []
+        for row in rows:
+            row = int(row)
+            key, anchor = keys[row], anchor_of[row]
+            truth = (
+                f"<br>true kind: <b>{html.escape(str(truth_groups[row]))}</b>"
+                if truth_groups is not None
+                else ""
+            )
+            if anchor:
+                anchor_html = (
+                    f"{_image(thumbs, anchor)}<br>{html.escape(info.get(anchor, ('', ''))[1])}"
+                    f"<br><code>{html.escape(anchor)}</code>"
+                )
+            else:
+                anchor_html = "<em>none</em>"
+            cells.append(
+                "<tr>"
+                f"<td>{_image(thumbs, key)}</td>"
+                f"<td>{html.escape(captions[row] or '')}<br><code>{html.escape(key)}</code></td>"
+                f"<td>label <b>{soft[row]:.3f}</b><br>p(clean) {prob[row]:.3f}<br>"
+                f"cosine {cosine[row]:.3f}<br>subset <b>{html.escape(subsets[row])}</b>{truth}</td>"
+                f"<td>{anchor_html}</td>"
+                "</tr>"
+            )
+        body = "".join(cells) or "<tr><td colspan=4><em>no such pair</em></td></tr>"
+        sections.append(
+            f"<h3>{html.escape(title)} ({len(rows)})</h3><p>{html.escape(explanation)}</p>"
+            "<table class=g><tr><th>image</th><th>caption</th><th>label</th>"
+            f"<th>nearest anchor pair</th></tr>{body}</table>"
         )
-        anchor = anchor_keys[row] or text_anchor_keys[row]
-        anchor_text = anchor_caption.get(anchor, "") if anchor else ""
-        gt = f"<br>true: {html.escape(str(truth_groups[row]))}" if truth_groups is not None else ""
-        rows_html.append(
-            "<tr>"
-            f"<td>{image}</td>"
-            f"<td><code>{html.escape(key)}</code><br>{html.escape(captions[row] or '')}</td>"
-            f"<td>{soft[row]:.3f}<br>p={prob[row]:.3f}<br>{html.escape(subsets[row])}{gt}</td>"
-            f"<td>{html.escape(anchor_text) or '<em>none</em>'}"
-            f"{'<br><code>' + html.escape(anchor) + '</code>' if anchor else ''}</td>"
-            "</tr>"
-        )
-    return rows_html
+    return "".join(sections)
+
+
+def _gallery_rows(table, soft, prob, threshold: float, size: int) -> list:
+    """(title, explanation, rows) of the three galleries; ties broken by key."""
+    keys = np.array(table.column("key").to_pylist(), dtype=object).astype(str)
+    subsets = np.array(table.column("subset").to_pylist(), dtype=object)
+    cosine = table.column("cosine").to_numpy().astype(np.float64)
+    cosine = np.where(np.isfinite(cosine), cosine, 0.0)
+    border = np.lexsort((keys, np.abs(prob - threshold)))[:size]
+    clean = np.flatnonzero(subsets == "clean")
+    noisy = np.flatnonzero(subsets == "noisy")
+    clean_low = clean[np.lexsort((keys[clean], cosine[clean]))][:size]
+    noisy_high = noisy[np.lexsort((keys[noisy], -cosine[noisy]))][:size]
+    return [
+        (
+            "Borderline pairs",
+            f"The pairs whose clean probability is closest to the cut ({threshold:g}): where "
+            "the mixture is least sure.",
+            border,
+        ),
+        (
+            "Called clean, lowest cosine",
+            "Pairs in the clean subset whose image and caption embeddings agree least: the "
+            "likeliest mismatches the labels let through.",
+            clean_low,
+        ),
+        (
+            "Called noisy, highest cosine",
+            "Pairs in the noisy subset whose embeddings agree most: the likeliest good pairs "
+            "the labels hold back.",
+            noisy_high,
+        ),
+    ]
 
 
 def _quality_html(summary: dict | None) -> str:
@@ -293,31 +364,30 @@ def _quality_html(summary: dict | None) -> str:
     )
 
 
-def _page(
-    folder: str, meta: dict[str, str], text: str, quality_html: str, rows_html: list[str]
-) -> str:
-    """The index page; `text` is the escaped inspect_run output."""
+def _page(folder: str, parts: dict[str, str]) -> str:
+    """The index page; every part is HTML already escaped."""
     return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>ncl-pipeline report</title>
+<html lang="en"><head><meta charset="utf-8"><title>ncl-pipeline report</title>
 <style>
 body {{ font-family: sans-serif; margin: 2em; max-width: 1100px; }}
-table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ccc; padding: 4px 8px; }}
-table.g td {{ vertical-align: top; font-size: 13px; }} table.q td {{ text-align: right; }}
-pre {{ background: #f6f6f6; padding: 1em; font-size: 12px; }}
+table {{ border-collapse: collapse; margin-bottom: 1em; }}
+td, th {{ border: 1px solid #ccc; padding: 4px 8px; }}
+table.g td {{ vertical-align: top; font-size: 13px; max-width: 320px; }}
+table.q td {{ text-align: right; }}
+dl.summary {{ display: grid; grid-template-columns: max-content auto; gap: 4px 16px; }}
+dl.summary dt {{ font-weight: bold; }} dl.summary dd {{ margin: 0; }}
+img {{ max-width: 100%; }}
 </style></head><body>
 <h1>ncl-pipeline report</h1>
-<p>{html.escape(folder)}: method <b>{html.escape(meta.get("ncl.method", "?"))}</b>,
-round {html.escape(meta.get("ncl.round", "?"))}, model {html.escape(meta.get("ncl.model_id", "?"))}
-</p>
-<pre>{text}</pre>
-{quality_html}
+<p><code>{html.escape(folder)}</code></p>
+{parts["summary"]}
+{parts["story"]}
+{parts["quality"]}
 <h2>Loss distribution and mixtures</h2><img src="loss_mixture.png" alt="loss mixture">
 <h2>Soft labels</h2><img src="soft_labels.png" alt="soft labels">
-<h2>The {len(rows_html)} lowest-labelled pairs</h2>
-<table class=g>
-<tr><th>image</th><th>caption</th><th>label</th><th>nearest anchor's caption</th></tr>
-{"".join(rows_html)}
-</table></body></html>
+<h2>Judging the labels</h2>
+{parts["galleries"]}
+</body></html>
 """
 
 
@@ -335,16 +405,17 @@ def write_report(
             the run directory that holds it).
         view: which `labels_<view>` of a round directory.
         ground_truth: ground_truth.parquet (default: the label pass's, else the job's).
-        gallery_size: lowest-labelled pairs shown.
+        gallery_size: pairs per gallery.
 
     Raises:
         pipeline.labels.LabelTableError: no label tables under `run_dir`.
     """
     import fsspec
 
-    from pipeline.inspect_run import _run_dir_of, inspect_run, label_table_metadata
+    from pipeline.inspect_run import _run_dir_of, label_table_metadata
     from pipeline.io.tables import read_json
     from pipeline.labels import labels_folder, read_labels
+    from pipeline.report_story import rounds_figure, story_html, summary_html
 
     plt = _pyplot()
     dataset = read_labels(run_dir, view=view)
@@ -355,7 +426,7 @@ def write_report(
     fs.makedirs(f"{out}/thumbs", exist_ok=True)
     meta = label_table_metadata(dataset)
     summary = read_json(f"{folder}/_label_pass.json")
-    columns = ["key", "shard", "caption", "soft_label", "clean_prob", "subset", "loss"]
+    columns = ["key", "shard", "caption", "soft_label", "clean_prob", "subset", "loss", "cosine"]
     columns += ["image_anchor_key", "text_anchor_key"]
     table = dataset.to_table(columns=columns)
     soft = table.column("soft_label").to_numpy()
@@ -373,12 +444,21 @@ def write_report(
     _save(fig, fs, f"{out}/soft_labels.png")
     plt.close(fig)
 
-    # Gallery: lowest labels first, ties by key.
-    order = np.lexsort((keys.astype(str), soft))[:gallery_size]
+    metrics = read_json(f"{root}/metrics.json")
+    fig = rounds_figure(plt, metrics)
+    if fig is not None:
+        _save(fig, fs, f"{out}/rounds.png")
+        plt.close(fig)
     truth_groups = groups if truth_path else None
-    rows_html = _gallery_rows(dataset, table, order, soft, prob, truth_groups, fs, out)
-    text = html.escape(inspect_run(run_dir, view=view))
+    threshold = float(mixture.get("threshold", 0.5))
+    galleries = _gallery_rows(table, soft, prob, threshold, gallery_size)
+    parts = {
+        "summary": summary_html(metrics, meta, read_json(f"{root}/manifest.json")),
+        "story": story_html(metrics),
+        "quality": _quality_html(summary),
+        "galleries": _galleries_html(dataset, table, galleries, soft, prob, truth_groups, fs, out),
+    }
     index = f"{out}/index.html"
     with fs.open(index, "w") as handle:
-        handle.write(_page(folder, meta, text, _quality_html(summary), rows_html))
+        handle.write(_page(folder, parts))
     return index

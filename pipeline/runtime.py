@@ -68,6 +68,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         apply_loopback_defaults()
     import ray
 
+    from pipeline.console import quiet_ray
+
     if ray.is_initialized():
         return "existing Ray session"
     if address:
@@ -76,10 +78,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
             log_to_driver=True,
             runtime_env=_worker_runtime_env(),
         )
+        quiet_ray()
         return f"Ray cluster at {address}"
     ray.init(
-        # "local": a new private Ray even when a `ray start` cluster runs on this machine
-        # (ray.init() alone would join it, and refuse num_cpus).
+        # A new private instance even when another Ray runs on this machine (`ray start`
+        # leaves /tmp/ray/ray_current_cluster, which a bare ray.init() would join).
         address="local",
         num_cpus=num_cpus,
         include_dashboard=False,
@@ -88,6 +91,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         logging_level="WARNING",
         runtime_env={"worker_process_setup_hook": WORKER_SETUP_HOOK},
     )
+    quiet_ray()  # Ray's noise off the terminal, when pipeline.console owns it
     return "local Ray (127.0.0.1)"
 
 

@@ -102,7 +102,7 @@ def test_committed_schemas_are_current():
     assert {"name", "input", "output", "model"} <= set(schema["required"])
 
 
-@pytest.mark.parametrize("name", ["demo", "cc3m"])
+@pytest.mark.parametrize("name", ["demo", "demo-full", "cc3m"])
 def test_shipped_jobs_validate(name):
     job = load_job(ROOT / "jobs" / f"{name}.yaml")
     assert job.name == name

@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow.dataset as ds
 import pytest
 from log_capture import console_output
+from report_browser import check_report_in_browser
 
 import pipeline
 from pipeline.config import load_job
@@ -124,11 +125,15 @@ def test_quality_table_and_log(labelled_run):
         assert quality[name]["auroc"] is not None and 0 <= quality[name]["auroc"] <= 1
         assert quality[name]["n_pairs"] == labelled_run["summary"]["samples"]
     assert quality["bicro"]["precision"] is not None
-    assert any(line.startswith("label quality") for line in labelled_run["log"])
+    # Each pass's quality table is for -v; its closing line carries the label AUROC.
+    assert any(
+        line.startswith("labels round 1 view a:") and "label AUROC" in line
+        for line in labelled_run["log"]
+    )
     assert labelled_run["summary"]["index"]["shards"] == 2
 
 
-def test_inspect_and_report(labelled_run):
+def test_inspect_and_report(labelled_run, tmp_path):
     out = labelled_run["job"].output
     text = inspect_run(out)
     assert re.search(r"clean\s+\d+", text) and "soft_label quantiles" in text
@@ -138,5 +143,9 @@ def test_inspect_and_report(labelled_run):
     page = index.read_text()
     assert (index.parent / "loss_mixture.png").stat().st_size > 1000
     assert (index.parent / "soft_labels.png").stat().st_size > 1000
-    assert page.count('src="thumbs/') == 24
-    assert "lowest-labelled" in page and "AUROC" in page
+    for gallery in ("Borderline pairs", "Called clean, lowest cosine", "Called noisy, highest"):
+        assert gallery in page
+    assert page.count('src="thumbs/') >= 3 * 12  # each pair, and its anchor where it has one
+    assert "AUROC" in page and "<pre>" not in page  # a summary, not a text dump
+    state = check_report_in_browser(index, tmp_path / "report.png")
+    assert len(state["images"]) >= 38  # two figures and the thumbnails

@@ -424,7 +424,7 @@ def _embed_pending(spec: EmbedSpec, pending: list[str], tally: _PassTally, start
         f"{use_gpus or 0:g} GPU and {cpus_per_worker:g} CPU each"
     )
     ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False  # one line per finished shard is clearer in logs
+    ctx.enable_progress_bars = False  # the pass shows its own progress (pipeline.progress)
     dataset = ray.data.from_items([{"path": p} for p in pending], override_num_blocks=len(pending))
     summaries = dataset.map_batches(
         EmbedShardStage,
@@ -434,15 +434,22 @@ def _embed_pending(spec: EmbedSpec, pending: list[str], tally: _PassTally, start
         num_cpus=cpus_per_worker,
         num_gpus=use_gpus,
     )
-    for done, row in enumerate(summaries.iter_rows(), start=1):
-        level, status = tally.add(row)
-        elapsed = time.perf_counter() - started
-        logger.log(
-            level,
-            f"  [{done}/{len(pending)}] {row['shard']}: {int(row['embedded'])} embedded, "
-            f"{int(row['quarantined'])} quarantined, {float(row['seconds']):.1f}s {status}; "
-            f"{tally.totals['embedded'] / max(elapsed, 1e-9):.0f} pairs/s so far",
-        )
+    from pipeline.progress import Progress
+
+    what = f"embed round {spec.round_index}"
+    with Progress(what, len(pending), "shards", log=logger) as progress:
+        for done, row in enumerate(summaries.iter_rows(), start=1):
+            level, status = tally.add(row)
+            elapsed = time.perf_counter() - started
+            embedded = tally.totals["embedded"]
+            pairs = f"{embedded:,} pairs, {embedded / elapsed:.0f}/s"
+            # Each shard's line for -v; a failed or truncated one is a warning, always shown.
+            logger.log(
+                level if level > logging.INFO else logging.DEBUG,
+                f"  [{done}/{len(pending)}] {row['shard']}: {int(row['embedded'])} embedded, "
+                f"{int(row['quarantined'])} quarantined, {float(row['seconds']):.1f}s {status}",
+            )
+            progress.update(done, note=pairs)
 
 
 def run_embed_pass(spec: EmbedSpec, shard_paths: list[str]) -> dict:

@@ -35,6 +35,7 @@ import pyarrow as pa
 from pipeline.io.ground_truth import quality_arrays, quality_from_parts
 from pipeline.io.labels import LABELS_SCHEMA, SUBSET_VALUES, uid_of
 from pipeline.io.tables import read_json, read_table, write_json_atomic, write_table_atomic
+from pipeline.progress import Progress, as_completed
 
 __all__ = ["ORACLE_SCHEMA", "publish_labels", "write_oracle_labels", "LabelViewMismatchError"]
 
@@ -236,9 +237,12 @@ def publish_labels(
         return {**previous, "skipped": True}
     started = time.perf_counter()
     task = ray.remote(combine_shard).options(num_cpus=1, max_retries=2)
-    results = ray.get(
-        [task.remote(s, sources, out_dir, ground_truth, embeddings_dir) for s in shards]
-    )
+    refs = [task.remote(s, sources, out_dir, ground_truth, embeddings_dir) for s in shards]
+    results: list = [None] * len(refs)
+    with Progress("publish labels", len(refs), "shards", log=logger) as progress:
+        for index, result in as_completed(refs):
+            results[index] = result
+            progress.advance()
     _remove_unlisted(out_dir, shards)
     views = {view: read_json(f"{folder}/{SUMMARY_NAME}") or {} for view, folder in sources.items()}
     summary = {

@@ -145,13 +145,13 @@ def _build_index(spec, shards, offsets, fits_ref, decisions, dim) -> tuple[list,
     info.update(
         factory=spec.index.factory, shards=len(actors), rows=sum(sizes), nprobe=spec.index.nprobe
     )
-    logger.info(f"labels: index over {role.name}: {sum(sizes)} rows in {len(actors)} actor(s)")
+    logger.debug(f"labels: index over {role.name}: {sum(sizes)} rows in {len(actors)} actor(s)")
     if spec.write_index:
         info["dir"] = save_indexes(spec, actors, role.name, sizes, shards, offsets, dim)
     return actors, info
 
 
-def _label_shards(spec, shards, offsets, fits_ref, decisions, actors, context) -> list[dict]:
+def _label_shards(spec, shards, offsets, fits_ref, decisions, actors, context, total) -> list:
     """Step 5: one label task per shard, reported as they finish."""
     import ray
 
@@ -161,17 +161,19 @@ def _label_shards(spec, shards, offsets, fits_ref, decisions, actors, context) -
     pending = {
         task.remote(spec, s, o, fits_ref, *shared): s for s, o in zip(shards, offsets, strict=True)
     }
+    from pipeline.progress import Progress, as_completed
+
     results = []
-    while pending:
-        done, _ = ray.wait(list(pending), num_returns=1)
-        for ref in done:
-            pending.pop(ref)
-            result = ray.get(ref)
+    what = f"labels round {spec.round_index} view {spec.view}"
+    # The pass's closing line says the counts; the bar's own closing line is for -v.
+    with Progress(what, total, "pairs", log=logger, closing_level=logging.DEBUG) as progress:
+        for _, result in as_completed(list(pending)):
             results.append(result)
-            logger.info(
+            logger.debug(
                 f"  [{len(results)}/{len(shards)}] {result['shard']}: {result['rows']} "
                 f"labelled, {result['seconds']:.1f}s"
             )
+            progress.advance(result["rows"], note=f"{len(results)}/{len(shards)} shards")
     order = {shard: i for i, shard in enumerate(shards)}
     return sorted(results, key=lambda r: order[r["shard"]])
 
@@ -227,7 +229,7 @@ def _write_mixture(spec: LabelSpec, fits: dict[str, MixtureFit]) -> dict[str, An
     }
     write_json_atomic(mixture, RunLayout(spec.output).mixture(spec.round_index, spec.view))
     configured = fits[spec.mixture_kind]
-    logger.info(
+    logger.debug(
         f"labels: {spec.mixture_kind.upper()} on {spec.labels.loss}: clean mean "
         f"{_component(configured, 'clean')}, noisy mean {_component(configured, 'noisy')}"
         + (" (no loss spread)" if configured.no_spread else "")
@@ -274,7 +276,7 @@ def run_label_pass(spec: LabelSpec) -> dict[str, Any]:
         logger.info(f"labels: {spec.out_dir} already complete for this job, skipped")
         return {**previous, "skipped": True}
     infos, offsets, total = _scan(spec, shards)
-    logger.info(f"labels: {total} pairs in {len(shards)} shards (view {spec.view})")
+    logger.debug(f"labels: {total} pairs in {len(shards)} shards (view {spec.view})")
     clock.step("ranges")
     fits = _fit_mixtures(spec, shards, infos)
     mixture = _write_mixture(spec, fits)
@@ -282,9 +284,9 @@ def run_label_pass(spec: LabelSpec) -> dict[str, Any]:
     clock.step("fit")
     decisions, partition = _decide(spec, shards, offsets, fits_ref)
     clock.step("partition")
-    logger.info(f"labels: partition {json.dumps(partition, sort_keys=True)}")
+    logger.debug(f"labels: partition {json.dumps(partition, sort_keys=True)}")
     if spec.labelling_view != spec.view:
-        logger.info(
+        logger.debug(
             f"labels: partition from view {spec.view}, labels from view {spec.labelling_view}"
         )
     actors: list = []
@@ -293,7 +295,7 @@ def run_label_pass(spec: LabelSpec) -> dict[str, Any]:
         actors, index_info = _build_index(spec, shards, offsets, fits_ref, decisions, dim)
         clock.step("index")
         context = _context(spec, infos, mixture)
-        results = _label_shards(spec, shards, offsets, fits_ref, decisions, actors, context)
+        results = _label_shards(spec, shards, offsets, fits_ref, decisions, actors, context, total)
     finally:
         for actor in actors:
             ray.kill(actor)
@@ -303,10 +305,12 @@ def run_label_pass(spec: LabelSpec) -> dict[str, Any]:
     summary["seconds"] = {**clock.seconds, "total": sum(clock.seconds.values())}
     write_json_atomic(summary, f"{spec.out_dir}/{SUMMARY_NAME}")
     subsets = summary["subsets"]
+    auroc = ((summary["quality"] or {}).get(spec.labels.method) or {}).get("auroc")
     logger.info(
-        f"labels: wrote {total} rows to {spec.out_dir} "
-        f"({', '.join(f'{k}: {v}' for k, v in subsets.items())}) "
-        f"in {summary['seconds']['total']:.1f}s"
+        f"labels round {spec.round_index} view {spec.view}: {total:,} pairs "
+        f"({', '.join(f'{k} {v}' for k, v in subsets.items())})"
+        + (f", label AUROC {auroc:.3f}" if auroc is not None else "")
+        + f" in {summary['seconds']['total']:.1f}s -> {spec.out_dir}"
     )
     return {**summary, "skipped": False}
 
@@ -373,5 +377,5 @@ def _log_quality(quality: dict, summary: dict) -> None:
             f"  {name:<18} {fmt(q['auroc'])} {fmt(q['spearman'])} "
             f"{fmt(q['precision'])} {fmt(q['recall'])}"
         )
-    for line in lines:
-        logger.info(line)
+    # The run's co-teaching table sums these up; each pass's own table is for -v and metrics.
+    logger.debug("\n".join(lines))

@@ -40,12 +40,45 @@ def _torch_config():
     return _Config()
 
 
+class _EpochBars:
+    """The driver's progress bar of the epoch the workers are in (pipeline.progress), from the
+    counts rank 0 leaves on the progress board; the workers' epoch lines are logged here."""
+
+    def __init__(self) -> None:
+        self.current = None
+        self.finished: set[str] = set()
+
+    def counts(self, counts: dict) -> None:
+        from pipeline.progress import Progress
+
+        for name, (done, total, note) in counts.items():
+            if name in self.finished:
+                continue
+            if self.current is None or self.current.what != name:
+                self.close()
+                self.current = Progress(
+                    name, total, "steps", log=logger, closing_level=logging.DEBUG
+                )
+            self.current.update(done, total, note)
+
+    def message(self, text: str) -> None:
+        self.close()  # a view's epoch line comes after its last step
+        logger.info(text)
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.finished.add(self.current.what)
+            self.current.close()
+            self.current = None
+
+
 def run_training(spec: TrainSpec) -> dict:
     """Train the views of `spec` on Ray Train (skipped when the round's training is complete).
 
     Returns:
         The round's train summary (per view: epochs, steps, loss/rSum history, kept epoch).
     """
+    import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -72,16 +105,25 @@ def run_training(spec: TrainSpec) -> dict:
         f"{', '.join(v.name for v in spec.views)}, {spec.train.workers} worker(s), "
         f"{'GPU' if spec.use_gpu else 'CPU'}, up to {spec.max_epochs} epochs"
     )
+    from pipeline.progress import ProgressBoard, follow_board
+
+    board = ProgressBoard.start()
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"spec": spec},
+        train_loop_config={"spec": spec, "progress": board},
         torch_config=_torch_config(),
         scaling_config=ScalingConfig(num_workers=spec.train.workers, use_gpu=spec.use_gpu),
         run_config=RunConfig(
             storage_path=storage, name="train", failure_config=FailureConfig(max_failures=0)
         ),
     )
-    trainer.fit()
+    bars = _EpochBars()
+    try:
+        with follow_board(board, bars.counts, bars.message):
+            trainer.fit()
+    finally:
+        bars.close()
+        ray.kill(board)
     summary = read_json(layout.train_summary(spec.round_index))
     if summary is None:
         raise RuntimeError(f"training of round {spec.round_index} ended without its summary")

@@ -35,7 +35,7 @@ __all__ = ["train_loop"]
 
 logger = logging.getLogger(__name__)
 
-LOG_EVERY_STEPS = 20
+PROGRESS_REPORTS = 50  # counts sent to the driver's progress board per epoch
 
 # ------------------------------------------------------------------------------------------
 # The loop that runs on each Ray Train worker
@@ -259,7 +259,9 @@ def train_loop(config: dict) -> None:
     while not all(t.stopped for t in trainers):
         epoch = min(t.epoch for t in trainers if not t.stopped)
         active = [t for t in trainers if not t.stopped and t.epoch == epoch]
-        seen, seconds = _run_epoch(spec, active, epoch, steps, rank, world, device, injected)
+        seen, seconds = _run_epoch(
+            spec, active, epoch, steps, rank, world, device, injected, config.get("progress")
+        )
         results = {}
         if val_set is not None:
             from pipeline.evaluation import evaluate_models
@@ -268,9 +270,8 @@ def train_loop(config: dict) -> None:
         results = from_rank0(results, device)  # patience reads it on every rank
         for t in active:
             _pool_epoch(t, device)
-            _end_epoch(
-                spec, t, epoch, results.get(t.view.name, {}).get("rsum"), seen, seconds, rank
-            )
+            rsum = results.get(t.view.name, {}).get("rsum")
+            _end_epoch(spec, t, epoch, rsum, seen, seconds, rank, config.get("progress"))
         _agree_on_stops(active, device)
         ray.train.report({"epoch": epoch})
     if rank == 0:
@@ -295,13 +296,35 @@ def _agree_on_stops(active: list[_ViewTrainer], device: torch.device) -> None:
         t.warmup, t.stopped = WarmupState(**warmup), stopped
 
 
-def _run_epoch(spec, active, epoch, steps, rank, world, device, injected) -> tuple[int, float]:
+def _epoch_name(spec: TrainSpec, epoch: int) -> str:
+    stage = "warm-up" if spec.mode == "warmup" else f"co-teaching round {spec.round_index}"
+    return f"{stage} epoch {epoch + 1}/{spec.max_epochs}"
+
+
+def _report(board, name: str, done: int, total: int, note: str) -> None:
+    """Counts for the driver's progress bar (pipeline.progress); never waits for an answer."""
+    if board is not None:
+        board.report.remote(name, done, total, note)
+
+
+def _say(board, text: str) -> None:
+    """A line for the driver to log (workers do not print)."""
+    if board is not None:
+        board.message.remote(text)
+    else:
+        logger.debug(text)
+
+
+def _run_epoch(
+    spec, active, epoch, steps, rank, world, device, injected, board=None
+) -> tuple[int, float]:
     """One epoch of every active view, in lockstep; returns (samples seen, seconds).
 
     A step is taken only when every rank has a batch for it: a rank whose shards hold fewer
     usable samples than `shard_sizes` promised (samples without a label row) ends the epoch for
     all, instead of leaving the others alone in the next all-reduce.
     """
+    report_every = max(1, steps // PROGRESS_REPORTS)
     skip = active[0].step_in_epoch  # batches consumed before a restart (same for all views)
     iterators = [epoch_batches(spec, t.view, epoch, rank, world) for t in active]
     steps_in = zip(*iterators, strict=False)
@@ -315,13 +338,9 @@ def _run_epoch(spec, active, epoch, steps, rank, world, device, injected) -> tup
         losses = [t.train_step(b, device) for t, b in zip(active, batches, strict=True)]
         seen += spec.train.batch_size * world
         injected[0] += 1
-        if rank == 0 and (index + 1) % LOG_EVERY_STEPS == 0:
-            rate = seen / (time.perf_counter() - started)
+        if rank == 0 and ((index + 1) % report_every == 0 or index + 1 == steps):
             names = " ".join(f"{t.view.name}={x:.3f}" for t, x in zip(active, losses, strict=True))
-            logger.info(
-                f"  round {spec.round_index} epoch {epoch} step {index + 1}/{steps}: loss "
-                f"{names}, {rate:.0f} samples/s per view"
-            )
+            _report(board, _epoch_name(spec, epoch), index + 1, steps, f"loss {names}")
         every = spec.train.checkpoint_every_steps
         if rank == 0 and every and (index + 1) % every == 0:
             for t in active:
@@ -331,7 +350,7 @@ def _run_epoch(spec, active, epoch, steps, rank, world, device, injected) -> tup
     return seen, time.perf_counter() - started
 
 
-def _end_epoch(spec, t: _ViewTrainer, epoch: int, rsum, seen: int, seconds: float, rank: int):
+def _end_epoch(spec, t: _ViewTrainer, epoch: int, rsum, seen, seconds, rank, board=None):
     """Record a view's epoch, advance its warm-up state (validation rSum), checkpoint, log."""
     epoch_loss = t.epoch_loss_sum / max(t.epoch_batches, 1)
     record = {
@@ -370,9 +389,10 @@ def _end_epoch(spec, t: _ViewTrainer, epoch: int, rsum, seen: int, seconds: floa
         t.save()
         shown = f", validation rSum {rsum:.1f}" if rsum is not None else ""
         stop = f"; stop: {t.warmup.reason}" if t.stopped and spec.mode == "warmup" else ""
-        logger.info(
+        _say(
+            board,
             f"  round {spec.round_index} {t.view.name} epoch {epoch}: loss "
-            f"{epoch_loss:.3f}{shown}, {record['samples_per_s']:.0f} samples/s{stop}"
+            f"{epoch_loss:.3f}{shown}, {record['samples_per_s']:.0f} samples/s{stop}",
         )
 
 

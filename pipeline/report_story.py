@@ -1,0 +1,171 @@
+"""The report's story of a run, from `metrics.json`: the summary at the top of the page, the
+table and figure of label quality and retrieval per co-teaching round, the mixture fits and the
+share of pairs per subset of every label pass (`pipeline.report` lays them out)."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+__all__ = ["rounds_figure", "story_html", "summary_html"]
+
+SUBSETS = ("clean", "quasi_clean", "noisy")
+
+
+def _fmt(value, digits: int = 3) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _share(subsets: dict | None) -> str:
+    if not subsets:
+        return "–"
+    total = sum(subsets.values()) or 1
+    return " / ".join(f"{100 * subsets.get(name, 0) / total:.0f}%" for name in SUBSETS)
+
+
+def _fit_text(fit: dict | None) -> str:
+    """`clean 2.1 (61%), noisy 4.0 (39%)` from a mixture fit summary (means of the losses)."""
+    if not fit or fit.get("no_spread") or fit.get("means") is None:
+        return "no spread"
+    clean = fit.get("clean_component", 0)
+    noisy = 1 - clean
+    lo, hi = fit.get("lo", 0.0), fit.get("hi", 1.0)
+
+    def mean(k):  # the fit lives on min-max normalised losses
+        return lo + fit["means"][k] * (hi - lo)
+
+    return (
+        f"clean {mean(clean):.2f} ({100 * fit['weights'][clean]:.0f}%), "
+        f"noisy {mean(noisy):.2f} ({100 * fit['weights'][noisy]:.0f}%)"
+    )
+
+
+def summary_html(metrics: dict | None, meta: dict[str, str], manifest: dict | None) -> str:
+    """The first block: what ran and what came out, as a short definition list."""
+    metrics, manifest = metrics or {}, manifest or {}
+    job = manifest.get("job") or {}
+    published = metrics.get("labels") or {}
+    embed = ((metrics.get("rounds") or {}).get("0") or {}).get("embed") or {}
+    rows: list[tuple[str, str]] = []
+    if job:
+        train = job.get("train") or {}
+        rows.append(
+            (
+                "job",
+                f"{job.get('name')}: model {job.get('model', {}).get('name')}, "
+                f"{train.get('rounds')} co-teaching rounds, train.mode {train.get('mode')}",
+            )
+        )
+    rows.append(
+        (
+            "labels",
+            f"method {meta.get('ncl.method', '?')}, round {meta.get('ncl.round', '?')}, "
+            f"view {meta.get('ncl.view', '?')}",
+        )
+    )
+    if embed:
+        rows.append(
+            (
+                "pairs",
+                f"{embed.get('embedded', 0):,} labelled, {embed.get('quarantined', 0):,} "
+                "quarantined (unusable samples, each with its reason)",
+            )
+        )
+    if published.get("subsets"):
+        counts = ", ".join(f"{k} {v:,}" for k, v in published["subsets"].items())
+        rows.append(
+            ("subsets", f"{counts} (clean / quasi-clean / noisy: {_share(published['subsets'])})")
+        )
+    combined = ((published.get("quality") or {}).get("combined")) or {}
+    if combined.get("auroc") is not None:
+        rows.append(
+            (
+                "label quality",
+                f"AUROC {combined['auroc']:.3f} (clean vs mismatched pairs, ground truth), "
+                f"Spearman {_fmt(combined.get('spearman'))}",
+            )
+        )
+    table = metrics.get("coteaching") or []
+    if table and table[-1].get("rsum_A+B") is not None:
+        first, last = table[0], table[-1]
+        rows.append(
+            (
+                "retrieval",
+                f"held-out rSum of the final models A+B {last['rsum_A+B']:.1f} "
+                f"(warmed up: {_fmt(first.get('rsum_A+B'), 1)})",
+            )
+        )
+    items = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>" for k, v in rows)
+    return f"<dl class=summary>{items}</dl>"
+
+
+def story_html(metrics: dict | None) -> str:
+    """Per round: label AUROC of each view, held-out rSum, subsets and mixture fits."""
+    if not metrics or not metrics.get("coteaching"):
+        return ""
+    rounds = metrics.get("rounds") or {}
+    body = []
+    for row in metrics["coteaching"]:
+        labelled = rounds.get(str(row["labels_round"])) or {}
+        passes = {v: labelled.get(f"labels_{v}") or {} for v in ("a", "b")}
+        kind = passes["a"].get("mixture_kind") or "gmm"
+        models = "warmed up" if row["models"] == 0 else f"after round {row['models']}"
+        cells = [
+            models,
+            str(row["labels_round"]),
+            f"{_fmt(row.get('auroc_a'))} / {_fmt(row.get('auroc_b'))}",
+            " / ".join(_fmt(row.get(f"rsum_{n}"), 1) for n in ("A", "B", "A+B")),
+            _share(passes["a"].get("subsets")),
+            _fit_text((passes["a"].get("mixture") or {}).get(kind)),
+            _fit_text((passes["b"].get("mixture") or {}).get(kind)),
+        ]
+        body.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    published = (((metrics.get("labels") or {}).get("quality") or {}).get("combined")) or {}
+    note = (
+        f"<p>The published labels (the mean of the last round's views a and b): AUROC "
+        f"<b>{published['auroc']:.3f}</b>.</p>"
+        if published.get("auroc") is not None
+        else ""
+    )
+    return (
+        "<h2>The run, round by round</h2>"
+        "<p>Each generation of models labels the corpus (round r's label pass uses the models "
+        "after round r&minus;1); each model then trains on the labels its peer estimated. "
+        "Label AUROC: clean vs mismatched pairs against the ground truth; rSum: held-out "
+        "retrieval (R@1+5+10 both ways) of model A, B and their average.</p>"
+        '<img src="rounds.png" alt="label quality and retrieval per round">'
+        "<table class=q><tr><th>models</th><th>labels of round</th><th>label AUROC a / b</th>"
+        "<th>rSum A / B / A+B</th><th>subsets (view a) clean / quasi / noisy</th>"
+        "<th>mixture fit a (loss means)</th><th>mixture fit b</th></tr>"
+        + "".join(body)
+        + "</table>"
+        + note
+    )
+
+
+def rounds_figure(plt, metrics: dict | None) -> Any | None:
+    """Label AUROC per view and held-out rSum per model generation (None: nothing to plot)."""
+    rows = (metrics or {}).get("coteaching") or []
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    x = [row["models"] for row in rows]
+    names = ["warmed up" if g == 0 else f"round {g}" for g in x]
+    for view, style in (("a", "-o"), ("b", "--s")):
+        axes[0].plot(x, [row.get(f"auroc_{view}") or float("nan") for row in rows], style,
+                     label=f"labels of view {view}")  # fmt: skip
+    combined = rows[-1].get("auroc_combined")
+    if combined is not None:
+        axes[0].plot([x[-1]], [combined], "k*", ms=12, label="published (a+b)")
+    axes[0].set_title("label AUROC (clean vs mismatched)")
+    for name, style in (("A", "-o"), ("B", "--s"), ("A+B", "-^")):
+        axes[1].plot(x, [row.get(f"rsum_{name}") or float("nan") for row in rows], style,
+                     label=name)  # fmt: skip
+    axes[1].set_title("held-out retrieval rSum")
+    for ax in axes:
+        ax.set_xticks(x, names)
+        ax.set_xlabel("models")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
