@@ -71,20 +71,20 @@ def _write_job(tmp_path: Path, shards: list[str], name: str = "run") -> Path:
 
 def test_embed_pass_writes_tables_that_reconcile(local_ray, corpus, tmp_path, caplog):
     job = load_job(_write_job(tmp_path, corpus["shards"]))
-    caplog.set_level(logging.INFO, logger="pipeline")
+    caplog.set_level(logging.DEBUG, logger="pipeline")
     metrics = run_job(job)
     embed = metrics["rounds"]["0"]["embed"]
     out = Path(job.output)
 
-    # The driver logs one line per finished shard (a warning for the unreadable one), then the
-    # summary table as one record.
+    # The driver logs one line per finished shard (DEBUG, shown with -v; a warning for the
+    # unreadable one), then the summary table as one record.
     shard_lines = {
         record.getMessage().split("]")[1].split(":")[0].strip(): record.levelno
         for record in caplog.records
         if record.name == "pipeline.stages.embed" and record.getMessage().startswith("  [")
     }
     assert set(shard_lines) == {shard_name(p) for p in corpus["shards"]}
-    assert shard_lines["00078"] == logging.WARNING and shard_lines["00000"] == logging.INFO
+    assert shard_lines["00078"] == logging.WARNING and shard_lines["00000"] == logging.DEBUG
     summaries = [
         record.getMessage()
         for record in caplog.records

@@ -426,7 +426,7 @@ def _embed_pending(spec: EmbedSpec, pending: list[str], tally: _PassTally, start
     size, use_gpus = _pool_size(spec, len(pending))
     cpus_per_worker = spec.embed.cpus_per_worker
     logger.info(
-        f"embed: {len(pending)} shards on {size} actor(s), "
+        f"embed round {spec.round_index}: {len(pending)} shards on {size} actor(s), "
         f"{use_gpus or 0:g} GPU and {cpus_per_worker:g} CPU each"
     )
     ctx = ray.data.DataContext.get_current()
