@@ -68,11 +68,10 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         apply_loopback_defaults()
     import ray
 
-    from pipeline.console import filter_stderr, quiet_ray
+    from pipeline.console import quiet_ray
 
     if ray.is_initialized():
         return "existing Ray session"
-    filter_stderr()  # ray.init's own start-up notices go to fd 2
     if address:
         ray.init(
             address=address,
