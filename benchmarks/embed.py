@@ -36,7 +36,7 @@ def emit(figure: str, **values) -> None:
 
 
 def time_pipeline(
-    shards, spec: ModelSpec, batch: int, threads: int, cpus: float
+    shards, spec: ModelSpec, batch: int, threads: int, cpus: float, gpus: float = 0.0
 ) -> tuple[float, float]:
     """(end-to-end pairs/s incl. actor start, steady pairs/s from per-shard busy time)."""
     from pipeline.config import EmbedConfig
@@ -53,7 +53,7 @@ def time_pipeline(
                 decode_threads=threads,
                 concurrency=1,
                 cpus_per_worker=cpus,
-                gpus_per_worker=0,
+                gpus_per_worker=gpus,
             ),
         )
         summary = run_embed_pass(embed_spec, shards)
@@ -78,6 +78,8 @@ def time_forward(loaded, pixels, tokens, batch: int) -> float:
     started = time.perf_counter()
     for start in range(0, len(pixels), batch):
         encode_pairs(loaded, pixels[start : start + batch], tokens[start : start + batch])
+    if loaded.device.type == "cuda":
+        torch.cuda.synchronize(loaded.device)
     return len(pixels) / (time.perf_counter() - started)
 
 
@@ -106,14 +108,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2, help="torch + decode threads")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per actor)")
     args = parser.parse_args()
 
     shards = sorted(glob.glob(os.path.join(args.corpus, "[0-9]*.tar")))
     if not shards:
         raise SystemExit(f"no shards in {args.corpus}: run `make demo` (or make-corpus) first")
     torch.set_num_threads(args.threads)
-    spec = ModelSpec(name=args.model, pretrained=None, precision="fp32", seed=0)
-    loaded = load_clip(spec, "cpu")
+    spec = ModelSpec(name=args.model, pretrained=None, precision=args.precision, seed=0)
+    loaded = load_clip(spec, args.device)
     pixels, tokens = predecode(shards, loaded)
 
     from pipeline.runtime import init_ray
@@ -126,7 +130,8 @@ def main() -> None:
         "hand_loop": [],
     }
     for _ in range(args.reps):
-        e2e, steady = time_pipeline(shards, spec, args.batch, args.threads, args.threads)
+        gpus = 1.0 if args.device.startswith("cuda") else 0.0
+        e2e, steady = time_pipeline(shards, spec, args.batch, args.threads, args.threads, gpus)
         results["pipeline_e2e"].append(e2e)
         results["pipeline_steady"].append(steady)
         results["forward"].append(time_forward(loaded, pixels, tokens, args.batch))
@@ -137,7 +142,8 @@ def main() -> None:
         "model": args.model,
         "batch": args.batch,
         "reps": args.reps,
-        "device": "cpu",
+        "device": args.device,
+        "precision": args.precision,
         "threads": args.threads,
     }
     for name, value in med.items():

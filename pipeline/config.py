@@ -195,6 +195,12 @@ class IndexConfig(_Section):
     factory: str = Field("Flat", description="FAISS index_factory string, e.g. 'IVF65536,PQ64'.")
     shards: int = Field(1, ge=1, description="Index shards held by separate actors.")
     nprobe: int = Field(32, ge=1, description="IVF lists probed per query (ignored by Flat).")
+    gpus_per_actor: float = Field(
+        0.0,
+        ge=0,
+        description="GPUs each index actor requests from Ray; > 0 builds and searches on exactly "
+        "the GPUs Ray grants it (faiss-gpu, GPU-capable factories only), 0 = CPU.",
+    )
 
 
 class WarmupConfig(_Section):
@@ -323,6 +329,11 @@ class RayConfig(_Section):
     num_cpus: int | None = Field(
         None, ge=1, description="CPUs for the embedded local Ray (null = all of this machine)."
     )
+    preflight: bool = Field(
+        True,
+        description="Before any work, refuse a job whose stages no node can host (it would wait "
+        "forever); false on an autoscaling cluster whose nodes come up later.",
+    )
 
 
 class JobConfig(_Section):
@@ -360,6 +371,22 @@ class JobConfig(_Section):
                 f"train.label_loss=soft_margin_triplet reads labels as margins (BiCro); "
                 f"labels.method={self.labels.method} needs train.label_loss=weighted_infonce"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _index_fits_gpu(self) -> JobConfig:
+        if self.index.gpus_per_actor > 0:
+            from pipeline.core.faiss_gpu import gpu_index_problems
+            from pipeline.core.labels.rcr import max_search_depth
+
+            # Only RCR searches deeper than one neighbour (its image de-duplication widens).
+            depth = max_search_depth(self.labels.rcr.k) if self.labels.method == "rcr" else 1
+            problems = gpu_index_problems(self.index.factory, self.index.nprobe, depth)
+            if problems:
+                raise ValueError(
+                    f"index.gpus_per_actor={self.index.gpus_per_actor:g} puts the index on GPU, "
+                    f"where {'; '.join(problems)}; or set index.gpus_per_actor: 0 (CPU index)"
+                )
         return self
 
     def stage_hash(self, *sections: str) -> str:

@@ -215,6 +215,7 @@ def run_job(job: JobConfig) -> dict:
         RunFailedError: a stage failed (inside a Ray task or worker); one paragraph naming
             the stage, the cause and what to do, the traceback in <output>/logs/.
     """
+    from pipeline.preflight import check_cluster
     from pipeline.runtime import init_ray
 
     job = _with_absolute_paths(job)
@@ -227,6 +228,7 @@ def run_job(job: JobConfig) -> dict:
 
     logger.debug(f"input shards: {shard_paths}")
     where = init_ray(job.ray.address, job.ray.num_cpus)
+    check_cluster(job)  # refuses in seconds what no node could host (pipeline.preflight)
     logger.info(
         f"ncl-pipeline: job '{job.name}', {len(shard_paths)} shards, {where}, "
         f"output {layout.output}"

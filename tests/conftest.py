@@ -24,12 +24,53 @@ def local_ray():
     ray.shutdown()
 
 
-def pytest_collection_modifyitems(config, items):
-    import torch
+def _nvidia_gpus() -> int:
+    """GPUs nvidia-smi lists (0 without nvidia-smi): the machine's own answer, not torch's."""
+    import shutil
+    import subprocess
 
-    if torch.cuda.is_available():
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+
+
+_GPU_STATE: list[str | None] = []  # [None] = CUDA works; ["absent"]; [why CUDA is unusable]
+
+
+def _gpu_state() -> str | None:
+    if not _GPU_STATE:
+        import torch
+
+        if torch.cuda.is_available():
+            _GPU_STATE.append(None)
+        elif _nvidia_gpus() == 0:
+            _GPU_STATE.append("absent")
+        else:
+            from pipeline.devices import cuda_unusable_reason
+
+            _GPU_STATE.append(cuda_unusable_reason() or "torch.cuda.is_available() is False")
+    return _GPU_STATE[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests skip on a machine without an NVIDIA GPU; on one whose GPU torch cannot use
+    (CPU-only torch, driver too old for torch's CUDA) they fail, in `pytest_runtest_setup`."""
+    if not any("gpu" in item.keywords for item in items) or _gpu_state() != "absent":
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (nvidia-smi lists none)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_runtest_setup(item):
+    if "gpu" in item.keywords:
+        state = _gpu_state()
+        if state not in (None, "absent"):
+            pytest.fail(f"this machine has an NVIDIA GPU but CUDA is unusable: {state}")

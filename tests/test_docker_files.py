@@ -131,3 +131,26 @@ def test_dockerfile_no_latest_and_non_root(dockerfile):
     first_pyproject = next(i for i, ln in enumerate(copies) if "pyproject.toml" in ln)
     first_code = next(i for i, ln in enumerate(copies) if "pipeline/" in ln)
     assert first_pyproject < first_code
+
+
+def test_dockerfile_torch_cuda_matches_the_faiss_extra(dockerfile):
+    """The image's torch and faiss-gpu must use one CUDA major: a CUDA 13 torch beside
+    faiss-gpu-cu12 leaves torch without CUDA on drivers older than 580."""
+    import tomllib
+
+    index = re.search(r"^ARG TORCH_INDEX_URL=(\S+)", dockerfile, re.M)
+    major = re.search(r"^ARG TORCH_CUDA_MAJOR=(\d+)", dockerfile, re.M)
+    assert index and major, "the Dockerfile must pin TORCH_INDEX_URL and TORCH_CUDA_MAJOR"
+    cuda = re.fullmatch(r"https://download\.pytorch\.org/whl/cu(\d+)/?", index.group(1))
+    assert cuda, f"{index.group(1)} is not a CUDA build index of download.pytorch.org"
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    (faiss_gpu,) = pyproject["project"]["optional-dependencies"]["gpu"]
+    faiss_cuda = re.match(r"faiss-gpu-cu(\d+)", faiss_gpu)
+    assert faiss_cuda, faiss_gpu
+    # cu128 -> CUDA 12; the faiss extra's suffix is the major alone.
+    assert cuda.group(1)[:-1] == faiss_cuda.group(1) == major.group(1)
+    # The build checks the installed torch's CUDA major against TORCH_CUDA_MAJOR.
+    install = next(ln for ln in _instructions(dockerfile) if "${TORCH_INDEX_URL}" in ln)
+    assert "torch.version.cuda" in install and "${TORCH_CUDA_MAJOR}" in install
+    # The minimum driver is written down for whoever runs the image.
+    assert re.search(r"[Mm]inimum NVIDIA driver", dockerfile)

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from pipeline.core.faiss_gpu import GPU_MAX_K
+
 try:  # faiss is an optional extra: `pip install ncl-pipeline[cpu]` (or `[gpu]`).
     import faiss
 except ImportError:  # pragma: no cover - exercised only on installs without the extra
@@ -49,7 +51,7 @@ __all__ = [
 EmbeddingLookup = Callable[[np.ndarray], np.ndarray]
 
 # FAISS GPU indexes cannot select more than this many neighbours per query.
-_GPU_MAX_K = 2048
+_GPU_MAX_K = GPU_MAX_K
 # Rows x candidates x dim of float64 scratch per chunk in `exact_scores` (~32 MB).
 _EXACT_CHUNK_ELEMENTS = 4_000_000
 # Default number of training vectors sampled for IVF/PQ (faiss wants >= 39 per centroid).
@@ -134,15 +136,19 @@ def train_index(
             ivf.cp.niter = niter
             if getattr(concrete, "pq", None) is not None:
                 concrete.pq.cp.niter = niter
+    clustering = None
     if ngpu > 0 and ivf is not None:
         # The k-means assignment dominates training; faiss's own benchmarks put it on the GPU
         # through `clustering_index` (inner product, as the quantizer it trains).
-        ivf.clustering_index = lib.index_cpu_to_all_gpus(
-            lib.IndexFlatIP(sample.shape[1]), ngpu=ngpu
-        )
+        clustering = lib.index_cpu_to_all_gpus(lib.IndexFlatIP(sample.shape[1]), ngpu=ngpu)
+        ivf.clustering_index = clustering
     index.train(sample)
     if ivf is not None:
         ivf.clustering_index = None
+    if clustering is not None:
+        # The IVF only borrowed it: free its GPU memory and resources now, not at exit.
+        clustering.reset()
+        del clustering
     return index
 
 
@@ -229,18 +235,13 @@ def build_index(
     if index.d != dim:
         raise ValueError(f"trained index has dimension {index.d}, vectors have {dim}")
 
-    if ids is None:
-        index.add(vectors)
-    elif lib.try_extract_index_ivf(index) is not None:
-        index.add_with_ids(vectors, ids)
-    else:
+    if ids is not None and lib.try_extract_index_ivf(index) is None:
         index = lib.IndexIDMap2(index)
-        index.add_with_ids(vectors, ids)
-    if nprobe is not None:
-        set_nprobe(index, nprobe)
     if use_gpus:
-        # Built on CPU, then cloned: the GPU cloner handles IDMap2 (inner index to the GPU) and
-        # copies nprobe; one clone per listed device (IndexReplicas when several).
+        # The empty (trained) index goes to the GPU first and the vectors are added there: a
+        # CPU IVF add runs on the caller's OpenMP threads (one in a Ray actor without CPUs),
+        # the GPU's is parallel. The cloner handles IDMap2 (inner index to the GPU); one clone
+        # per listed device (IndexReplicas when several).
         options = lib.GpuMultipleClonerOptions()
         # float16 lookup tables let GPU IVFPQ hold many sub-quantizers (PQ64) in shared memory;
         # its scores are rescored anyway. Never for Flat/IVFFlat, where the same option would
@@ -249,6 +250,12 @@ def build_index(
             "PQ" in factory.upper() and lib.try_extract_index_ivf(index) is not None
         )
         index = lib.index_cpu_to_gpus_list(index, co=options, gpus=use_gpus)
+    if ids is None:
+        index.add(vectors)
+    else:
+        index.add_with_ids(vectors, ids)
+    if nprobe is not None:
+        set_nprobe(index, nprobe)
     return index
 
 

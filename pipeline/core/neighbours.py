@@ -61,11 +61,15 @@ class IndexStore:
 
     Rows arrive in parts (`add`, any order); `build` sorts them by id and indexes them.
     IVF/PQ factories are trained once (`train`, on one store) and the trained empty indexes
-    are shared, so every store uses the same codebooks.
+    are shared, so every store uses the same codebooks. `gpus` are the CUDA device numbers the
+    store may use (those its process was granted); none = CPU, whatever GPUs FAISS can see.
     """
 
-    def __init__(self, dim: int, factory: str, nprobe: int | None, seed: int) -> None:
+    def __init__(
+        self, dim: int, factory: str, nprobe: int | None, seed: int, gpus: Sequence[int] = ()
+    ) -> None:
         self.dim, self.factory, self.nprobe, self.seed = dim, factory, nprobe, seed
+        self.gpus = list(gpus)
         self.parts: list[dict] = []
         self.indexes: dict[str, IndexShard] = {}
         self.ids: np.ndarray | None = None
@@ -101,7 +105,8 @@ class IndexStore:
         out = {}
         for name, rows in (("image", self.u), ("text", self.v)):
             pick = np.random.default_rng(self.seed).permutation(rows.shape[0])[:sample_size]
-            out[name] = faiss.serialize_index(train_index(self.factory, rows[np.sort(pick)]))
+            trained = train_index(self.factory, rows[np.sort(pick)], ngpu=len(self.gpus))
+            out[name] = faiss.serialize_index(trained)
         return out
 
     def build(self, trained: dict | None = None) -> int:
@@ -113,7 +118,13 @@ class IndexStore:
         for name, rows in (("image", self.u), ("text", self.v)):
             base = None if trained is None else faiss.deserialize_index(trained[name])
             self.indexes[name] = IndexShard.build(
-                rows, self.ids, self.factory, trained=base, nprobe=self.nprobe, seed=self.seed
+                rows,
+                self.ids,
+                self.factory,
+                trained=base,
+                gpus=self.gpus,
+                nprobe=self.nprobe,
+                seed=self.seed,
             )
         return int(self.ids.size)
 

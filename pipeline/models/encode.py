@@ -25,7 +25,7 @@ from pipeline.models.spec import (
     ModelLoadError,
 )
 
-__all__ = ["autocast_dtype_for", "encode_pairs", "resolve_device"]
+__all__ = ["autocast_dtype_for", "bf16_native", "encode_pairs", "resolve_device"]
 
 
 def resolve_device(device: str | torch.device = DEFAULT_DEVICE) -> torch.device:
@@ -60,6 +60,15 @@ def resolve_device(device: str | torch.device = DEFAULT_DEVICE) -> torch.device:
     return dev
 
 
+def bf16_native(device: torch.device) -> bool:
+    """Whether `device` computes bf16 natively (compute capability 8.0+: Ampere and later).
+
+    `torch.cuda.is_bf16_supported()` also counts emulation, which runs bf16 autocast on a
+    T4/V100 far slower than fp32, and it asks about the current device, not `device`.
+    """
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
 def autocast_dtype_for(precision: str, device: torch.device) -> torch.dtype | None:
     """Maps a precision name to the autocast dtype this device supports (None = fp32).
 
@@ -73,7 +82,7 @@ def autocast_dtype_for(precision: str, device: torch.device) -> torch.dtype | No
     if precision == "fp32":
         return None
     if device.type == "cuda":
-        if precision == "bf16" and not torch.cuda.is_bf16_supported():
+        if precision == "bf16" and not bf16_native(device):
             warnings.warn(
                 f"bf16 requested but {torch.cuda.get_device_name(device)} does not support it; "
                 "running in fp32 (set model.precision: fp16 for reduced precision on this GPU).",

@@ -43,6 +43,7 @@ import torch
 
 from pipeline.config import EmbedConfig
 from pipeline.core.losses import fixed_size_loss_batches, infonce_per_sample, triplet_per_sample
+from pipeline.devices import granted_device
 from pipeline.io.admitted import (
     SHARD_BYTES_KEY,
     SHARD_SHA256_KEY,
@@ -128,7 +129,10 @@ class EmbedShardStage:
 
     def __init__(self, spec: EmbedSpec):
         self.spec = spec
-        self.models = {view: load_clip(model, spec.device) for view, model in spec.views.items()}
+        # "auto" follows Ray's grant: a 0-GPU actor on a GPU node stays on CPU, and a granted
+        # GPU that CUDA cannot use fails here, not by silently embedding on CPU.
+        device = granted_device("embed actor") if spec.device == "auto" else spec.device
+        self.models = {view: load_clip(model, device) for view, model in spec.views.items()}
         self.pool = ThreadPoolExecutor(max_workers=spec.embed.decode_threads)
         torch.set_grad_enabled(False)
 

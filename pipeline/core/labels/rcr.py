@@ -34,6 +34,7 @@ __all__ = [
     "decide",
     "index_role",
     "label_shard",
+    "max_search_depth",
     "ndcg_at_k",
     "quality_scores",
     "rcr_ndcg",
@@ -46,6 +47,12 @@ _IDCG_EPS = 1e-12
 _MAX_KEYS_PER_QUERY_BATCH = 1 << 16
 # Image de-duplication: image lists grow to at most (K + 1) x this rows.
 _MAX_IMAGE_DEPTH_FACTOR = 32
+
+
+def max_search_depth(k: int) -> int:
+    """The most neighbours one RCR search may ask an index for at K = `k` (the image search
+    widens up to this depth while duplicates fill the top rows)."""
+    return (k + 1) * _MAX_IMAGE_DEPTH_FACTOR
 
 
 def _lookup_groups(group_ids, ids: np.ndarray) -> np.ndarray:

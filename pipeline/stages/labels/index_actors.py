@@ -87,10 +87,16 @@ def _codebook_path(restore: str, modality: str) -> str:
 
 class IndexStoreActor(IndexStore):
     """An `IndexStore` that rebuilds itself from its restore table when Ray restarts it, and
-    can write its indexes (the Ray actor class)."""
+    can write its indexes (the Ray actor class).
+
+    It indexes on exactly the GPUs Ray granted it (`index.gpus_per_actor`), on CPU without a
+    grant even on a GPU node, and fails at once when a granted GPU is unusable by faiss.
+    """
 
     def __init__(self, dim: int, factory: str, nprobe: int | None, seed: int, restore: str) -> None:
-        super().__init__(dim, factory, nprobe, seed)
+        from pipeline.devices import granted_faiss_gpus
+
+        super().__init__(dim, factory, nprobe, seed, gpus=granted_faiss_gpus("index actor"))
         self.restore = restore
         if file_exists(restore):  # a restart: the same rows, the same codebooks, same index
             _restore_store(self, read_table(restore))
@@ -206,7 +212,9 @@ def build_index_actors(spec: LabelSpec, row_refs: list, dim: int) -> tuple[list,
         task = ray.remote(train_task).options(num_cpus=1, max_retries=3)
         trained = task.remote(*index, *parts[0])
     actor_class = ray.remote(IndexStoreActor).options(
-        max_restarts=INDEX_ACTOR_RESTARTS, max_task_retries=INDEX_ACTOR_RESTARTS
+        max_restarts=INDEX_ACTOR_RESTARTS,
+        max_task_retries=INDEX_ACTOR_RESTARTS,
+        num_gpus=spec.index.gpus_per_actor,
     )
     restore = f"{_restore_dir(spec)}/{uuid.uuid4().hex[:12]}"  # this pass's tables only
     actors = [

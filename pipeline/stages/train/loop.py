@@ -29,6 +29,7 @@ from pipeline.stages.train.data import (
     steps_per_epoch,
 )
 from pipeline.stages.train.spec import TrainSpec, ViewSpec
+from pipeline.stages.train.sync import all_have, from_rank0, sum_across
 
 __all__ = ["train_loop"]
 
@@ -69,7 +70,8 @@ def _label_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, weight, relia
 
 
 def _step_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, batch, selecting: bool):
-    """The training objective of one batch (returns the loss and the plain InfoNCE for logs)."""
+    """The training objective of one batch: (loss, plain InfoNCE for logs, whether the loss
+    trains the temperature)."""
     if spec.mode == "labels":
         loss = _label_loss(
             spec, image_emb, text_emb, logit_scale, batch["weight"], batch["reliable"]
@@ -77,7 +79,8 @@ def _step_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, batch, selecti
         loss_i2t, loss_t2i = infonce_per_sample(
             image_emb.detach(), text_emb.detach(), logit_scale.detach()
         )
-        return loss, (0.5 * (loss_i2t + loss_t2i)).mean()
+        trained = spec.train.label_loss == "weighted_infonce"
+        return loss, (0.5 * (loss_i2t + loss_t2i)).mean(), trained
     # The temperature is shared by every pair: trained on the easiest 30% alone it grows until
     # the other pairs' losses blow up (measured: InfoNCE 3.7 -> 7.2 in one epoch).
     scale = logit_scale.detach() if selecting else logit_scale
@@ -86,10 +89,11 @@ def _step_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, batch, selecti
     per_sample = (
         triplet_per_sample(image_emb, text_emb) if spec.train.warmup.loss == "triplet" else plain
     )
+    trained = spec.train.warmup.loss == "infonce" and not selecting
     if selecting:
         keep = select_small_loss(per_sample.detach(), spec.train.warmup.select_ratio)
-        return per_sample[keep].mean(), plain.mean()
-    return per_sample.mean(), plain.mean()
+        return per_sample[keep].mean(), plain.mean(), trained
+    return per_sample.mean(), plain.mean(), trained
 
 
 class _ViewTrainer:
@@ -191,11 +195,18 @@ class _ViewTrainer:
         dtype = self.loaded.autocast_dtype
         with torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype is not None):
             image_emb, text_emb, logit_scale = self.model(pixels, tokens)
-        loss, plain = _step_loss(
+        loss, plain, temperature_trained = _step_loss(
             spec, image_emb.float(), text_emb.float(), logit_scale.float(), targets, selecting
         )
+        if not temperature_trained:
+            # DDP waits for a gradient of every parameter in the forward's graph; a zero one
+            # keeps it from failing ("Expected to have finished reduction"), and dropping it
+            # after the all-reduce leaves the temperature untouched, as without DDP.
+            loss = loss + 0.0 * logit_scale.float()
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(loss).backward()
+        if not temperature_trained:
+            self.loaded.model.logit_scale.grad = None
         self.scaler.unscale_(self.optimizer)
         if spec.train.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.loaded.model.parameters(), spec.train.grad_clip)
@@ -224,6 +235,12 @@ def train_loop(config: dict) -> None:
         torch.set_num_threads(spec.train.torch_threads)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    if spec.use_gpu:
+        from pipeline.devices import GpuUnusableError, cuda_unusable_reason
+
+        reason = cuda_unusable_reason()
+        if reason is not None:
+            raise GpuUnusableError(f"training worker {rank} was granted a GPU but {reason}")
     device = ray.train.torch.get_device()
     steps = steps_per_epoch(spec, world)
     if steps == 0:
@@ -250,12 +267,33 @@ def train_loop(config: dict) -> None:
             from pipeline.evaluation import evaluate_models
 
             results = evaluate_models({t.view.name: t.loaded for t in active}, val_set)
+        results = from_rank0(results, device)  # patience reads it on every rank
         for t in active:
+            _pool_epoch(t, device)
             rsum = results.get(t.view.name, {}).get("rsum")
             _end_epoch(spec, t, epoch, rsum, seen, seconds, rank, config.get("progress"))
+        _agree_on_stops(active, device)
         ray.train.report({"epoch": epoch})
     if rank == 0:
         _finish(spec, trainers)
+
+
+def _pool_epoch(t: _ViewTrainer, device: torch.device) -> None:
+    """The view's epoch sums over every rank, so each rank judges the same mean loss."""
+    names = list(TARGET_STATS)
+    pooled = sum_across(
+        [t.epoch_loss_sum, float(t.epoch_batches)] + [t.epoch_targets[n] for n in names], device
+    )
+    t.epoch_loss_sum, t.epoch_batches = pooled[0], int(pooled[1])
+    t.epoch_targets = dict(zip(names, pooled[2:], strict=True))
+
+
+def _agree_on_stops(active: list[_ViewTrainer], device: torch.device) -> None:
+    """Rank 0's warm-up state and stop decision on every rank (its inputs are already shared;
+    this makes the decision itself one, whatever float differences a rank could have)."""
+    decided = from_rank0([(t.warmup.to_dict(), t.stopped) for t in active], device)
+    for t, (warmup, stopped) in zip(active, decided, strict=True):
+        t.warmup, t.stopped = WarmupState(**warmup), stopped
 
 
 def _epoch_name(spec: TrainSpec, epoch: int) -> str:
@@ -280,15 +318,22 @@ def _say(board, text: str) -> None:
 def _run_epoch(
     spec, active, epoch, steps, rank, world, device, injected, board=None
 ) -> tuple[int, float]:
-    """One epoch of every active view, in lockstep; returns (samples seen, seconds)."""
+    """One epoch of every active view, in lockstep; returns (samples seen, seconds).
+
+    A step is taken only when every rank has a batch for it: a rank whose shards hold fewer
+    usable samples than `shard_sizes` promised (samples without a label row) ends the epoch for
+    all, instead of leaving the others alone in the next all-reduce.
+    """
     report_every = max(1, steps // PROGRESS_REPORTS)
     # Batches each view consumed before a restart. The views' resume states are separate files,
     # so a worker lost between two saves leaves them at different steps: each skips its own.
     done = [t.step_in_epoch for t in active]
     iterators = [epoch_batches(spec, t.view, epoch, rank, world) for t in active]
+    steps_in = zip(*iterators, strict=False)
     started, seen = time.perf_counter(), 0
-    for index, batches in enumerate(zip(*iterators, strict=False)):
-        if index >= steps:
+    for index in range(steps):
+        batches = next(steps_in, None)
+        if not all_have(batches is not None, device):
             break
         stepping = [(t, b) for t, b, d in zip(active, batches, done, strict=True) if index >= d]
         if not stepping:

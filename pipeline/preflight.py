@@ -1,0 +1,172 @@
+"""Resource preflight: before any work, can the cluster's nodes host what each stage requests?
+
+Ray never refuses a request no node can satisfy: it waits, forever, behind "No available node
+types can fulfill resource request" (an embed actor asking for more CPUs than any node has), or
+behind "Cluster resources are not enough to run any task" (training workers that leave no CPU
+for the Ray Data tasks reading their shards). `check_requests` is the pure part: planned
+requests and the nodes' resources in, the problems out, each naming the key to change;
+`check_cluster` reads the connected cluster and raises `JobConfigError` in seconds.
+
+What each stage asks of Ray (kept in step with the stages; docs/architecture.md §5):
+- embed: a pool of actors, each `embed.cpus_per_worker` CPUs (+ `embed.gpus_per_worker` GPUs
+  on a cluster with GPUs). Ray Data starts the pool's actors as resources allow and works with
+  those that run, so one actor must fit on one node; its input is in memory (`from_items`),
+  so no read task needs a CPU beside the actors.
+- labels: `index.shards` actors held together for the whole pass (each `index.gpus_per_actor`
+  GPUs when set) and 1-CPU shard tasks beside them.
+- train: `train.workers` workers started together (a placement group): 1 CPU each, or 1 GPU
+  and no CPU on a cluster with GPUs (Ray Train's defaults), plus, at the same time, one CPU per
+  worker for the Ray Data task reading its shards. A reader that waits for a CPU held by
+  another worker's reader, blocked in turn on its worker stuck in a DDP all-reduce, never
+  finishes: so each worker needs its own reader CPU, not one shared.
+- dedup, publish, cosine filter: 1-CPU tasks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from pipeline.config import JobConfig, JobConfigError
+
+__all__ = ["Request", "check_cluster", "check_requests", "plan_requests"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one stage asks of Ray at once."""
+
+    what: str  # e.g. "embed actor"
+    keys: str  # the job keys that set it, for the message
+    unit: dict[str, float]  # resources of one actor/worker/task
+    count: int = 1  # units that must all be placed at the same time (a gang)
+    beside_cpus: int = 0  # 1-CPU tasks that must run beside the gang (Ray Data readers)
+    fix: str = ""  # what to change, for the message
+
+
+def _show(resources: dict[str, float]) -> str:
+    return " + ".join(f"{value:g} {name}" for name, value in resources.items() if value) or "none"
+
+
+def _fits(node: dict[str, float], unit: dict[str, float]) -> bool:
+    return all(node.get(name, 0.0) >= value - 1e-9 for name, value in unit.items() if value)
+
+
+def _place(nodes: list[dict[str, float]], unit: dict[str, float], count: int) -> list | None:
+    """The nodes' resources left after placing `count` units first-fit; None if they do not
+    fit (identical units: first-fit is as good as any order here)."""
+    left = [dict(node) for node in nodes]
+    for _ in range(count):
+        host = next((node for node in left if _fits(node, unit)), None)
+        if host is None:
+            return None
+        for name, value in unit.items():
+            host[name] = host.get(name, 0.0) - value
+    return left
+
+
+def check_requests(requests: list[Request], nodes: list[dict[str, float]]) -> list[str]:
+    """Problems of `requests` on a cluster of `nodes` (each node's total resources, as in
+    `ray.nodes()[i]["Resources"]`); empty when every request can be hosted."""
+    problems = []
+    cluster = {name: sum(node.get(name, 0.0) for node in nodes) for name in ("CPU", "GPU")}
+    for request in requests:
+        if not any(_fits(node, request.unit) for node in nodes):
+            largest = max(nodes, key=lambda n: (n.get("GPU", 0.0), n.get("CPU", 0.0)), default={})
+            problems.append(
+                f"each {request.what} asks for {_show(request.unit)} on one node ({request.keys}),"
+                f" but no node has that much (largest: "
+                f"{_show({k: largest.get(k, 0.0) for k in request.unit})}): {request.fix}"
+            )
+            continue
+        left = _place(nodes, request.unit, request.count)
+        readers = sum(int(node.get("CPU", 0.0) + 1e-9) for node in left) if left is not None else 0
+        if left is None or readers < request.beside_cpus:
+            need = {k: v * request.count for k, v in request.unit.items()}
+            beside = (
+                f" plus {request.beside_cpus} CPU for the Ray Data tasks reading their data"
+                if request.beside_cpus
+                else ""
+            )
+            problems.append(
+                f"{request.count} {request.what}s ({request.keys}) need {_show(need)}{beside} at "
+                f"the same time, but the cluster has {_show(cluster)}: {request.fix}"
+            )
+    return problems
+
+
+def plan_requests(job: JobConfig, cluster_gpus: float) -> list[Request]:
+    """What `job`'s stages will ask of Ray on a cluster with `cluster_gpus` GPUs in all (the
+    stages use GPUs only when the cluster has some)."""
+    gpus = cluster_gpus > 0
+    local = job.ray.address is None
+    more_cpus = "raise ray.num_cpus" if local else "add CPUs to the cluster's nodes"
+    embed_unit = {"CPU": job.embed.cpus_per_worker}
+    if gpus and job.embed.gpus_per_worker > 0:
+        embed_unit["GPU"] = job.embed.gpus_per_worker
+    embed_keys = "embed.cpus_per_worker" + (
+        " or embed.gpus_per_worker" if "GPU" in embed_unit else ""
+    )
+    requests = [
+        Request(
+            "embed actor",
+            embed_keys,
+            embed_unit,
+            fix=f"lower {embed_keys}, or {more_cpus}",
+        ),
+        Request("shard task", "dedup, labels, publish", {"CPU": 1.0}, fix=more_cpus),
+    ]
+    if job.index.gpus_per_actor > 0:
+        requests.append(
+            Request(
+                "index actor",
+                "index.shards, index.gpus_per_actor",
+                {"GPU": job.index.gpus_per_actor},
+                count=job.index.shards,
+                beside_cpus=1,
+                fix="lower index.shards or index.gpus_per_actor, or set index.gpus_per_actor: 0",
+            )
+        )
+    if job.train.warmup_epochs > 0 or job.train.rounds > 0:
+        workers = job.train.workers
+        requests.append(
+            Request(
+                "training worker",
+                "train.workers",
+                {"GPU": 1.0} if gpus else {"CPU": 1.0},
+                count=workers,
+                beside_cpus=workers,
+                fix=f"lower train.workers (to {max(1, workers // 2)}?) or {more_cpus}",
+            )
+        )
+    return requests
+
+
+def check_cluster(job: JobConfig) -> None:
+    """Compare `job`'s requests with the connected Ray cluster's live nodes.
+
+    Raises:
+        JobConfigError: a request no node (or not the whole cluster) can host; the message
+            names the keys to change. Skipped with `ray.preflight: false` (an autoscaling
+            cluster whose nodes are not up yet).
+    """
+    if not job.ray.preflight:
+        return
+    import ray
+
+    nodes = [
+        {name: float(value) for name, value in node["Resources"].items()}
+        for node in ray.nodes()
+        if node.get("Alive")
+    ]
+    gpus = sum(node.get("GPU", 0.0) for node in nodes)
+    problems = check_requests(plan_requests(job, gpus), nodes)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise JobConfigError(
+            f"job '{job.name}' cannot run on this cluster (it would wait forever):\n{lines}\n"
+            "(on an autoscaling cluster whose nodes are not up yet, set ray.preflight: false)"
+        )
+    logger.debug(f"preflight: {len(nodes)} node(s) can host every stage")

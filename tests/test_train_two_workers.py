@@ -1,0 +1,153 @@
+"""Two DDP workers (gloo, CPU) on a local Ray with enough logical CPUs: every decision that ends
+or changes the loop is shared, so a warm-up with selection stopped by patience (only rank 0
+holds the validation split) and a co-teaching round whose loss leaves the temperature without a
+gradient both end by themselves, on the same epoch for both ranks.
+
+The run happens in a child process with its own Ray (4 logical CPUs: two workers plus one
+Ray Data reader each; the session's Ray has 2) under a timeout: a rank left alone in a
+collective hangs rather than fails, and a hang must fail the test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_WARMUP_EPOCHS = 6
+
+
+def _specs(corpus: Path, output: Path):
+    from pipeline.config import TrainConfig
+    from pipeline.io.shards import shard_name
+    from pipeline.models import ModelSpec
+    from pipeline.stages.train import TrainSpec, ViewSpec
+
+    shards = tuple(str(p) for p in sorted(corpus.glob("0*.tar")))
+    train = TrainConfig.model_validate(
+        {
+            "workers": 2,
+            "batch_size": 16,
+            "lr": 3e-3,
+            "weight_decay": 0.1,
+            "torch_threads": 1,
+            "checkpoint_every_steps": 0,
+            "label_loss": "soft_margin_triplet",  # the temperature gets no gradient
+            "warmup": {
+                "mode": "select",
+                "first_epoch_all": False,
+                "plateau_fraction": 0.99,
+                "patience": 1,
+            },
+        }
+    )
+    # One view keeps the test lean: the decisions under test are per view anyway.
+    views = (ViewSpec(name="A", init=ModelSpec("ncl-tiny", None, "fp32", seed=0), seed=0),)
+    warmup = TrainSpec(
+        output=str(output),
+        round_index=0,
+        views=views,
+        shards=shards,
+        shard_sizes={shard_name(p): 64 for p in shards},
+        val_shards=(str(corpus / "val" / "00000.tar"),),
+        train=train,
+        mode="warmup",
+        max_epochs=MAX_WARMUP_EPOCHS,
+    )
+    return warmup, views
+
+
+def _scenario(corpus: Path, output: Path) -> None:
+    """The child process: its own local Ray, the warm-up, then one co-teaching round."""
+    from pipeline.io.layout import RunLayout
+    from pipeline.models import ModelSpec
+    from pipeline.runtime import init_ray
+    from pipeline.stages.train import run_training
+
+    init_ray(None, num_cpus=4)
+    warmup, views = _specs(corpus, output)
+    run_training(warmup)
+    layout = RunLayout(str(output))
+    coteach = dataclasses.replace(
+        warmup,
+        round_index=1,
+        mode="labels",
+        max_epochs=1,
+        coteach_epochs=(0, 1),
+        views=tuple(
+            dataclasses.replace(
+                v, init=ModelSpec("ncl-tiny", layout.model_checkpoint(0, v.name), "fp32")
+            )
+            for v in views
+        ),
+    )
+    run_training(coteach)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    from pipeline.data.synthetic import make_corpus
+
+    root = tmp_path_factory.mktemp("two_workers") / "c"
+    make_corpus(
+        root,
+        samples=256,
+        noise=0.2,
+        partial=0.0,
+        seed=11,
+        samples_per_shard=64,
+        test_samples=0,
+        val_samples=40,
+        image_size=32,
+    )
+    return root
+
+
+def test_two_workers_share_every_decision_and_end_by_themselves(corpus, tmp_path):
+    import torch
+
+    from pipeline.io.layout import RunLayout
+    from pipeline.models import ModelSpec, load_clip
+
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    try:
+        done = subprocess.run(
+            [sys.executable, __file__, str(corpus), str(tmp_path / "run")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=540,  # under the suite's 600 s per test: a hang fails here, with its log
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        log = (exc.stdout or b"")[-3000:] + b"\n" + (exc.stderr or b"")[-3000:]
+        pytest.fail(f"two-worker training did not end by itself:\n{log.decode(errors='replace')}")
+    assert done.returncode == 0, done.stderr[-4000:]
+    layout = RunLayout(str(tmp_path / "run"))
+    warm = json.loads(Path(layout.train_summary(0)).read_text())
+    state = warm["views"]["A"]["warmup"]
+    assert state["left_plateau"], state  # selection was on for the later epochs
+    assert "did not improve" in state["reason"], state  # stopped by patience (rank 0's rSum)...
+    assert warm["views"]["A"]["epochs"] < MAX_WARMUP_EPOCHS  # ...before the maximum
+    # Epoch figures are pooled over both ranks: 4 shards of 64 pairs.
+    assert all(h["pairs"] == 256 for h in warm["views"]["A"]["history"]), warm
+    rounds = json.loads(Path(layout.train_summary(1)).read_text())
+    assert rounds["views"]["A"]["epochs"] == 1
+    assert rounds["views"]["A"]["steps"] == 256 // (2 * 16)  # 16 pairs per rank and step
+    for round_index in (0, 1):
+        path = layout.model_checkpoint(round_index, "A")
+        loaded = load_clip(ModelSpec("ncl-tiny", path, "fp32"), torch.device("cpu"))
+        assert loaded.embed_dim > 0
+
+
+if __name__ == "__main__":
+    _scenario(Path(sys.argv[1]), Path(sys.argv[2]))
