@@ -78,6 +78,9 @@ def test_a_killed_index_actor_restarts_with_its_index(local_ray, tmp_path):
     actors, sizes = build_index_actors(spec, [[ray.put(p) for p in parts]], DIM)
     try:
         assert sizes == [150, 150]
+        # Alive index actors hold no CPU: the label tasks that query them need every one
+        # (an actor holding a CPU each hung the label pass on a 2-CPU node).
+        assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]
         search = actor_neighbours(actors)
         queries = _parts(30, 1, seed=2)[0]["v"]
         before = search.search("image", queries, 10)

@@ -211,9 +211,13 @@ def build_index_actors(spec: LabelSpec, row_refs: list, dim: int) -> tuple[list,
         # A ref: the codebooks go task -> actors without passing through the driver.
         task = ray.remote(train_task).options(num_cpus=1, max_retries=3)
         trained = task.remote(*index, *parts[0])
+    # num_cpus=0 stated: once any resource is given (num_gpus, even 0), Ray holds the actor's
+    # default CPU for its whole life instead of only to place it, and `index.shards` actors on
+    # a 2-CPU node leave no CPU for the label tasks that query them (a silent hang).
     actor_class = ray.remote(IndexStoreActor).options(
         max_restarts=INDEX_ACTOR_RESTARTS,
         max_task_retries=INDEX_ACTOR_RESTARTS,
+        num_cpus=0,
         num_gpus=spec.index.gpus_per_actor,
     )
     restore = f"{_restore_dir(spec)}/{uuid.uuid4().hex[:12]}"  # this pass's tables only
