@@ -192,7 +192,11 @@ class LabelsConfig(_Section):
 
 
 class IndexConfig(_Section):
-    factory: str = Field("Flat", description="FAISS index_factory string, e.g. 'IVF65536,PQ64'.")
+    factory: str = Field(
+        "Flat",
+        description="FAISS index_factory string, e.g. 'IVF65536,PQ64'; 'auto' picks by the "
+        "pass's size: Flat up to 50k pairs, IVF<4 sqrt N>,Flat up to 4M, IVF..,PQ<dim/8> beyond.",
+    )
     shards: int = Field(1, ge=1, description="Index shards held by separate actors.")
     nprobe: int = Field(32, ge=1, description="IVF lists probed per query (ignored by Flat).")
     gpus_per_actor: float = Field(
@@ -381,7 +385,9 @@ class JobConfig(_Section):
 
             # Only RCR searches deeper than one neighbour (its image de-duplication widens).
             depth = max_search_depth(self.labels.rcr.k) if self.labels.method == "rcr" else 1
-            problems = gpu_index_problems(self.index.factory, self.index.nprobe, depth)
+            # auto only picks factories that run on GPU.
+            factory = "Flat" if self.index.factory == "auto" else self.index.factory
+            problems = gpu_index_problems(factory, self.index.nprobe, depth)
             if problems:
                 raise ValueError(
                     f"index.gpus_per_actor={self.index.gpus_per_actor:g} puts the index on GPU, "

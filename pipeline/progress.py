@@ -160,7 +160,11 @@ def as_completed(refs: Iterable[Any], *, poll_seconds: float = 1.0) -> Iterator[
 
     pending = {ref: index for index, ref in enumerate(refs)}
     while pending:
-        done, _ = ray.wait(list(pending), num_returns=1, timeout=poll_seconds)
+        # Everything finished within the poll, not one ref per call: a call costs O(pending),
+        # so one per result made a pass over thousands of shards O(shards^2) on the driver.
+        done, _ = ray.wait(
+            list(pending), num_returns=len(pending), timeout=poll_seconds, fetch_local=False
+        )
         for ref in done:
             yield pending.pop(ref), ray.get(ref)
 

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from pipeline.core.exact_search import exact_topk_torch
+from pipeline.core.faiss_gpu import gpu_index_problems
 from pipeline.core.knn import (
+    auto_factory,
     IndexShard,
     ShardedIndex,
     build_index,
@@ -18,6 +20,7 @@ from pipeline.core.knn import (
     rescore,
     resolve_ngpu,
 )
+from pipeline.core.neighbours import IndexStore
 
 
 def _unit(rows: int, dim: int, seed: int) -> np.ndarray:
@@ -201,3 +204,32 @@ def test_gpu_flat_matches_cpu(database_with_ties):
     gpu = ShardedIndex.build(database, ids, shards=2, ngpu=-1).search(queries, 12)
     np.testing.assert_array_equal(gpu[1], cpu[1])
     np.testing.assert_array_equal(gpu[0], cpu[0])
+
+
+@pytest.mark.parametrize("dim", [64, 512, 768])
+def test_auto_factory_grows_with_the_corpus_and_stays_gpu_capable(dim):
+    sizes = [1_000, 50_000, 50_001, 1_000_000, 4_000_000, 12_000_000, 400_000_000]
+    chosen = [auto_factory(n, dim) for n in sizes]
+    assert chosen[:2] == ["Flat", "Flat"]
+    assert chosen[2].startswith("IVF") and chosen[2].endswith(",Flat")
+    assert chosen[-1].split(",")[1].startswith("PQ")
+    lists = [int(f.split(",")[0][3:]) for f in chosen if f != "Flat"]
+    assert lists == sorted(lists) and all(64 <= n <= 65536 for n in lists)
+    for factory in chosen:
+        assert gpu_index_problems(factory, 32, 2048) == []
+        faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)  # a valid factory
+
+
+def test_auto_ivf_factory_trains_and_finds_neighbours():
+    """The smallest IVF auto picks, trained with the store's sample (>= 39 per list)."""
+    rng = np.random.default_rng(0)
+    n, dim = 60_000, 16
+    u = rng.standard_normal((n, dim)).astype(np.float32)
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    factory = auto_factory(n, dim)
+    store = IndexStore(dim, factory, nprobe=32, seed=0)
+    ids = np.arange(n, dtype=np.int64)
+    store.add({"ids": ids, "u": u, "v": u})
+    store.build(store.train())
+    scores, found = store.search("image", u[:200], 1)
+    assert (found[:, 0] == ids[:200]).mean() > 0.95  # each vector finds itself

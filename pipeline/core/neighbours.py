@@ -19,6 +19,7 @@ Contract:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -102,6 +103,10 @@ class IndexStore:
         import faiss
 
         self._gather()
+        # faiss wants >= 39 training points per IVF list; auto's large factories need more
+        # than the default sample.
+        lists = re.search(r"IVF(\d+)", self.factory)
+        sample_size = max(sample_size, 40 * int(lists.group(1))) if lists else sample_size
         out = {}
         for name, rows in (("image", self.u), ("text", self.v)):
             pick = np.random.default_rng(self.seed).permutation(rows.shape[0])[:sample_size]

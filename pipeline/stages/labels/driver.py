@@ -19,10 +19,12 @@ import json
 import logging
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
+from pipeline.core.knn import auto_factory
 from pipeline.core.mixture import MixtureFit, fit_bmm, fit_gmm, merge_histograms, merge_ranges
 from pipeline.core.partition import PartitionDecisions
 from pipeline.core.select import radix_select
@@ -257,6 +259,11 @@ def run_label_pass(spec: LabelSpec) -> dict[str, Any]:
     shards, missing = _embedded_shards(spec)
     infos, offsets, total = _scan(spec, shards)
     logger.debug(f"labels: {total} pairs in {len(shards)} shards (view {spec.view})")
+    if spec.index.factory == "auto":
+        # Sized by the pass's pairs: the index holds at most that many rows.
+        chosen = auto_factory(total, infos[0]["dim"])
+        spec = replace(spec, index=spec.index.model_copy(update={"factory": chosen}))
+        logger.debug(f"labels: index.factory auto -> {chosen} for {total:,} pairs")
     clock.step("ranges")
     fits = _fit_mixtures(spec, shards, infos)
     mixture = _write_mixture(spec, fits)

@@ -1,0 +1,208 @@
+"""Scale: embed + one label pass at growing corpus sizes, measured side by side in one run.
+
+For each size N (default 10k, 100k, 1M pairs) a fresh driver process embeds the first N pairs
+of one synthetic corpus (32 px, `ncl-tiny`, random init) on a local Ray, then runs one label
+pass per method on those embeddings with `index.factory: auto` (Flat, IVF or IVF-PQ by N).
+Every size runs in its own process so the driver's peak RSS is that size's own.
+
+Prints one JSON line per size and method, then the bars of issue 11 (BENCHMARKS.md):
+  - driver peak RSS at the largest size <= 1.2x at the one before;
+  - time per pair (embed + label pass) grows <= 1.3x per 10x;
+  - embed end-to-end pairs/s at the largest size >= 0.9x its steady-state rate;
+  - label pass time / embed time <= 0.3.
+
+    python benchmarks/scale.py                       # 10k, 100k, 1M (about an hour on 2 CPUs)
+    python benchmarks/scale.py --sizes 10000 100000  # minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+def emit(figure: str, **values) -> None:
+    print(json.dumps({"figure": figure, **values}), flush=True)
+
+
+def make_shards(corpus: Path, pairs: int, image_size: int, shard_pairs: int) -> list[str]:
+    """The corpus's shards (made once, reused while its parameters match)."""
+    from pipeline.data.synthetic import make_corpus
+
+    params = {"samples": pairs, "image_size": image_size, "samples_per_shard": shard_pairs}
+    stamp = corpus / "scale_params.json"
+    if not (stamp.exists() and json.loads(stamp.read_text()) == params):
+        started = time.perf_counter()
+        make_corpus(corpus, test_samples=0, noise=0.4, partial=0.1, seed=0, **params)
+        stamp.write_text(json.dumps(params))
+        print(f"# corpus: {pairs:,} pairs in {time.perf_counter() - started:.0f}s", flush=True)
+    return sorted(str(p) for p in corpus.glob("[0-9]*.tar"))
+
+
+def run_one(shards: list[str], out: str, methods: list[str], cpus: int) -> dict:
+    """Embed `shards` and run one label pass per method in this process; the figures."""
+    from pipeline.config import EmbedConfig, IndexConfig, LabelsConfig
+    from pipeline.models import ModelSpec
+    from pipeline.runtime import init_ray
+    from pipeline.stages.embed import EmbedSpec, run_embed_pass
+    from pipeline.stages.labels import LabelSpec, run_label_pass
+
+    init_ray(None, num_cpus=cpus)
+    spec = EmbedSpec(
+        output=out,
+        round_index=0,
+        views={"a": ModelSpec(name="ncl-tiny", pretrained=None, precision="fp32", seed=0)},
+        seed=0,
+        embed=EmbedConfig(
+            batch_size=256, decode_threads=cpus, concurrency=1, cpus_per_worker=cpus
+        ),
+    )
+    started = time.perf_counter()
+    embedded = run_embed_pass(spec, shards)
+    embed_seconds = time.perf_counter() - started
+    names = [Path(s).stem for s in shards]
+    figures = {
+        "pairs": embedded["embedded"],
+        "embed_s": embed_seconds,
+        "embed_pairs_per_s": embedded["embedded"] / embed_seconds,
+        "embed_steady_pairs_per_s": embedded["embedded"] / embedded["actor_seconds"],
+        "labels": {},
+    }
+    for method in methods:
+        label_spec = LabelSpec(
+            output=out,
+            round_index=0,
+            view="a",
+            shards=tuple(names),
+            out_dir=f"{out}/labels_{method}",
+            labels=LabelsConfig(method=method),
+            index=IndexConfig(factory="auto"),
+            write_index=False,
+        )
+        started = time.perf_counter()
+        summary = run_label_pass(label_spec)
+        figures["labels"][method] = {
+            "seconds": time.perf_counter() - started,
+            "factory": (summary.get("index") or {}).get("factory"),
+        }
+    # ru_maxrss: KiB on Linux; the driver's own peak (Ray's workers are other processes).
+    figures["driver_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--methods", nargs="+", default=["bicro", "rcr"])
+    parser.add_argument("--corpus", default="data/scale", help="made here once, then reused")
+    parser.add_argument("--out", default="runs/scale")
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--cpus", type=int, default=2)
+    parser.add_argument("--shard-pairs", type=int, default=10_000, help="pairs per tar")
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # child: one size
+    args = parser.parse_args()
+
+    sizes = sorted(args.sizes)
+    corpus = Path(args.corpus)
+    if args.one is not None:
+        shards = sorted(str(p) for p in corpus.glob("[0-9]*.tar"))[: -(-args.one // args.shard_pairs)]
+        out = f"{args.out}/{args.one}"
+        subprocess.run(["rm", "-rf", out], check=True)
+        print(json.dumps(run_one(shards, out, args.methods, args.cpus)), flush=True)
+        return
+
+    make_shards(corpus, sizes[-1], args.image_size, args.shard_pairs)
+    results = {}
+    for size in sizes:
+        child = subprocess.run(
+            [sys.executable, __file__, "--one", str(size), *_passed(args)],
+            capture_output=True,
+            text=True,
+        )
+        if child.returncode != 0:
+            sys.stderr.write(child.stdout[-4000:] + child.stderr[-4000:])
+            raise SystemExit(f"scale: size {size} failed (exit {child.returncode})")
+        figures = json.loads(child.stdout.strip().splitlines()[-1])
+        results[size] = figures
+        for method, label in figures["labels"].items():
+            total = figures["embed_s"] + label["seconds"]
+            emit(
+                "scale",
+                pairs=figures["pairs"],
+                method=method,
+                index_factory=label["factory"],
+                embed_s=round(figures["embed_s"], 1),
+                embed_pairs_per_s=round(figures["embed_pairs_per_s"], 1),
+                embed_steady_pairs_per_s=round(figures["embed_steady_pairs_per_s"], 1),
+                label_s=round(label["seconds"], 1),
+                label_over_embed=round(label["seconds"] / figures["embed_s"], 3),
+                ms_per_pair=round(1000 * total / figures["pairs"], 3),
+                driver_peak_rss_mb=round(figures["driver_peak_rss_mb"]),
+            )
+    _bars(sizes, results, args.methods)
+
+
+def _passed(args) -> list[str]:
+    return [
+        "--methods", *args.methods, "--corpus", args.corpus, "--out", args.out,
+        "--image-size", str(args.image_size), "--cpus", str(args.cpus),
+        "--shard-pairs", str(args.shard_pairs),
+    ]  # fmt: skip
+
+
+def _bars(sizes: list[int], results: dict, methods: list[str]) -> None:
+    last = results[sizes[-1]]
+    emit(
+        "embed_end_to_end_over_steady",
+        pairs=last["pairs"],
+        ratio=round(last["embed_pairs_per_s"] / last["embed_steady_pairs_per_s"], 3),
+        bar=0.9,
+    )
+    if len(sizes) < 2:
+        return
+    before = results[sizes[-2]]
+    emit(
+        "driver_rss_growth",
+        pairs=[before["pairs"], last["pairs"]],
+        ratio=round(last["driver_peak_rss_mb"] / before["driver_peak_rss_mb"], 3),
+        bar=1.2,
+    )
+    for method in methods:
+        for small, large in zip(sizes, sizes[1:], strict=False):
+            per_pair = [
+                (results[n]["embed_s"] + results[n]["labels"][method]["seconds"])
+                / results[n]["pairs"]
+                for n in (small, large)
+            ]
+            growth = (per_pair[1] / per_pair[0]) ** (1 / max(1e-9, _decades(small, large)))
+            emit(
+                "time_per_pair_growth_per_10x",
+                method=method,
+                pairs=[small, large],
+                ratio=round(growth, 3),
+                bar=1.3,
+            )
+        emit(
+            "label_over_embed",
+            method=method,
+            pairs=last["pairs"],
+            ratio=round(last["labels"][method]["seconds"] / last["embed_s"], 3),
+            bar=0.3,
+        )
+
+
+def _decades(small: int, large: int) -> float:
+    import math
+
+    return math.log10(large / small)
+
+
+if __name__ == "__main__":
+    main()
