@@ -12,8 +12,9 @@ What each stage asks of Ray (kept in step with the stages; docs/architecture.md 
   on a cluster with GPUs). Ray Data starts the pool's actors as resources allow and works with
   those that run, so one actor must fit on one node; its input is in memory (`from_items`),
   so no read task needs a CPU beside the actors.
-- labels: `index.shards` actors held together for the whole pass (each `index.gpus_per_actor`
-  GPUs when set) and 1-CPU shard tasks beside them.
+- labels: `index.shards` actors held together for the whole pass (on CPU they hold no CPU,
+  needing one only to be placed; with `index.gpus_per_actor` each holds those GPUs and one CPU)
+  and 1-CPU shard tasks beside them.
 - train: `train.workers` workers started together (a placement group): 1 CPU each, or 1 GPU
   and no CPU on a cluster with GPUs (Ray Train's defaults), plus, at the same time, one CPU per
   worker for the Ray Data task reading its shards. A reader that waits for a CPU held by
@@ -123,7 +124,7 @@ def plan_requests(job: JobConfig, cluster_gpus: float) -> list[Request]:
             Request(
                 "index actor",
                 "index.shards, index.gpus_per_actor",
-                {"GPU": job.index.gpus_per_actor},
+                {"GPU": job.index.gpus_per_actor, "CPU": 1.0},
                 count=job.index.shards,
                 beside_cpus=1,
                 fix="lower index.shards or index.gpus_per_actor, or set index.gpus_per_actor: 0",

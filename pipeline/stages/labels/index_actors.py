@@ -211,14 +211,14 @@ def build_index_actors(spec: LabelSpec, row_refs: list, dim: int) -> tuple[list,
         # A ref: the codebooks go task -> actors without passing through the driver.
         task = ray.remote(train_task).options(num_cpus=1, max_retries=3)
         trained = task.remote(*index, *parts[0])
-    # num_cpus=0 stated: once any resource is given (num_gpus, even 0), Ray holds the actor's
-    # default CPU for its whole life instead of only to place it, and `index.shards` actors on
-    # a 2-CPU node leave no CPU for the label tasks that query them (a silent hang).
+    # Resources only for a GPU index: once any resource is given Ray holds the actor's CPU for
+    # its whole life instead of only to place it, and `index.shards` CPU actors on a 2-CPU node
+    # would leave no CPU for the label tasks that query them (a silent hang). Without options
+    # a CPU actor is placed on a node with a CPU (never a 0-CPU head) and holds none.
+    gpus = spec.index.gpus_per_actor
+    resources = {"num_gpus": gpus, "num_cpus": 1} if gpus > 0 else {}
     actor_class = ray.remote(IndexStoreActor).options(
-        max_restarts=INDEX_ACTOR_RESTARTS,
-        max_task_retries=INDEX_ACTOR_RESTARTS,
-        num_cpus=0,
-        num_gpus=spec.index.gpus_per_actor,
+        max_restarts=INDEX_ACTOR_RESTARTS, max_task_retries=INDEX_ACTOR_RESTARTS, **resources
     )
     restore = f"{_restore_dir(spec)}/{uuid.uuid4().hex[:12]}"  # this pass's tables only
     actors = [
