@@ -28,6 +28,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+
 def emit(figure: str, **values) -> None:
     print(json.dumps({"figure": figure, **values}), flush=True)
 
@@ -60,9 +61,7 @@ def run_one(shards: list[str], out: str, methods: list[str], cpus: int) -> dict:
         round_index=0,
         views={"a": ModelSpec(name="ncl-tiny", pretrained=None, precision="fp32", seed=0)},
         seed=0,
-        embed=EmbedConfig(
-            batch_size=256, decode_threads=cpus, concurrency=1, cpus_per_worker=cpus
-        ),
+        embed=EmbedConfig(batch_size=256, decode_threads=cpus, concurrency=1, cpus_per_worker=cpus),
     )
     started = time.perf_counter()
     embedded = run_embed_pass(spec, shards)
@@ -112,7 +111,8 @@ def main() -> None:
     sizes = sorted(args.sizes)
     corpus = Path(args.corpus)
     if args.one is not None:
-        shards = sorted(str(p) for p in corpus.glob("[0-9]*.tar"))[: -(-args.one // args.shard_pairs)]
+        count = -(-args.one // args.shard_pairs)  # shards holding the first `one` pairs
+        shards = sorted(str(p) for p in corpus.glob("[0-9]*.tar"))[:count]
         out = f"{args.out}/{args.one}"
         subprocess.run(["rm", "-rf", out], check=True)
         print(json.dumps(run_one(shards, out, args.methods, args.cpus)), flush=True)

@@ -9,8 +9,8 @@ import pytest
 
 from pipeline.core.exact_search import exact_topk_torch
 from pipeline.core.faiss_gpu import gpu_index_problems
+from pipeline.core.index_factory import auto_factory
 from pipeline.core.knn import (
-    auto_factory,
     IndexShard,
     ShardedIndex,
     build_index,

@@ -21,12 +21,11 @@ Contract:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from pipeline.core.faiss_gpu import GPU_MAX_K, GPU_PQ_CODE_BYTES
+from pipeline.core.faiss_gpu import GPU_MAX_K
 
 try:  # faiss is an optional extra: `pip install ncl-pipeline[cpu]` (or `[gpu]`).
     import faiss
@@ -38,7 +37,6 @@ __all__ = [
     "IndexShard",
     "ShardedIndex",
     "build_index",
-    "auto_factory",
     "canonical_topk",
     "exact_scores",
     "is_gpu_index",
@@ -58,32 +56,6 @@ _GPU_MAX_K = GPU_MAX_K
 _EXACT_CHUNK_ELEMENTS = 4_000_000
 # Default number of training vectors sampled for IVF/PQ (faiss wants >= 39 per centroid).
 _DEFAULT_TRAIN_SAMPLE = 131_072
-
-
-# `auto_factory`: exact search up to this many rows (a Flat search costs rows x queries, so
-# a label pass over every pair grows with N^2); IVF beyond, PQ codes beyond _AUTO_PQ_ROWS,
-# where even IVF,Flat's full vectors (4 bytes x dim per row) stop fitting an actor's memory.
-_AUTO_FLAT_ROWS = 50_000
-_AUTO_PQ_ROWS = 4_000_000
-
-
-def auto_factory(rows: int, dim: int) -> str:
-    """The FAISS factory `index.factory: auto` uses for an index of `rows` vectors of `dim`.
-
-    - up to 50k rows: "Flat" (exact; the search is cheap at this size);
-    - up to 4M: "IVF<n>,Flat", n ~ 4 sqrt(rows) as a power of two (faiss's guideline of
-      4-16 sqrt(N) lists), so each query scans nprobe/n of the rows, vectors kept exact;
-    - beyond: "IVF<n>,PQ<m>", m = dim/8 bytes per vector (a GPU-supported code size), the
-      scores rescored exactly from the stored embeddings by the label methods.
-    Every choice also runs on faiss-gpu.
-    """
-    if rows <= _AUTO_FLAT_ROWS:
-        return "Flat"
-    lists = 1 << max(6, min(16, round(math.log2(4 * math.sqrt(rows)))))
-    if rows <= _AUTO_PQ_ROWS:
-        return f"IVF{lists},Flat"
-    code_bytes = max(b for b in GPU_PQ_CODE_BYTES if b <= max(1, dim // 8) and dim % b == 0)
-    return f"IVF{lists},PQ{code_bytes}"
 
 
 def _require_faiss():

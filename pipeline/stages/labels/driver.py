@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.core.knn import auto_factory
+from pipeline.core.index_factory import auto_factory
 from pipeline.core.mixture import MixtureFit, fit_bmm, fit_gmm, merge_histograms, merge_ranges
 from pipeline.core.partition import PartitionDecisions
 from pipeline.core.select import radix_select
