@@ -190,6 +190,19 @@ def test_sps_proxies_and_anchor_keys(blob_run, blob_labels):
     assert proxies.schema.names == SPS_PROXIES_SCHEMA.names
     y = proxies.column("y_p_img").to_numpy()
     assert np.all((y == 0) | (y >= 0.5)) and np.all(y <= 1)
+    # v2: the noisy pair's own caption T_n rides along for the text-direction proxy pair
+    # (Ï, T_n), and the P^ behind each label is published.
+    first = next(Path(spec.output, "rounds/0/sps_proxies_a").glob("*.parquet"))
+    assert pq.read_schema(first).metadata[b"ncl.schema"] == b"sps_proxies.v2"
+    keys = proxies.column("key").to_pylist()
+    assert proxies.column("caption").to_pylist() == [f"caption of {k}" for k in keys]
+    for direction in ("img", "txt"):
+        p_hat = proxies.column(f"p_hat_{direction}").to_numpy()
+        s = proxies.column(f"s_{direction}").to_numpy()
+        label = proxies.column(f"y_p_{direction}").to_numpy()
+        assert np.all((p_hat >= 0) & (p_hat <= 1))
+        trained = label > 0
+        np.testing.assert_allclose(label[trained], np.clip(p_hat * s, 0, 1)[trained], rtol=1e-5)
 
 
 @pytest.mark.ray

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from pipeline.core.losses import infonce_per_sample
 from pipeline.core.train_losses import (
     SOFT_MARGINS,
+    co_positive_mask,
     select_small_loss,
     soft_margin,
     soft_margin_triplet,
@@ -266,3 +267,50 @@ def test_losses_finite_at_logit_scale_100_in_half_precision(dtype):
         sum(losses).backward()
         assert torch.isfinite(u.grad.float()).all() and torch.isfinite(v.grad.float()).all()
         u.grad = None
+
+
+def test_duplicate_proxy_captions_are_not_negatives_of_each_other():
+    # Rows 1 and 2 are two noisy images trained with the same proxy caption (same text source);
+    # row 3 is the proxy caption's own reliable pair. Masked, each duplicate's loss equals its
+    # loss in the batch with the other copies removed.
+    u = _unit(5, 8, seed=3)
+    v = _unit(5, 8, seed=4)
+    v[2] = v[1]
+    v[3] = v[1]
+    text_groups = torch.tensor([10, 11, 11, 11, 14])
+    image_groups = torch.arange(5)
+    mask = co_positive_mask(image_groups, text_groups)
+    assert mask.sum() == 6 and not mask.diagonal().any()
+    scale = 10.0
+    for row, others in ((1, [0, 4]), (2, [0, 4]), (3, [0, 4])):
+        keep = [row, *others]
+        i2t, t2i = infonce_per_sample(u[keep], v[keep], scale)
+        want = 0.5 * (i2t[0] + t2i[0])
+        weights = torch.zeros(5)
+        weights[row] = 5.0  # the loss divides by B = 5
+        got = weighted_infonce(u, v, scale, weights, co_positive_mask(image_groups, text_groups))
+        torch.testing.assert_close(got, want)
+    # Unmasked, the copies cap each other: the loss of a duplicate is higher.
+    weights = torch.zeros(5)
+    weights[1] = 5.0
+    assert weighted_infonce(u, v, scale, weights) > weighted_infonce(u, v, scale, weights, mask)
+    # Distinct sources: the mask is all False and the loss is the plain one.
+    distinct = co_positive_mask(torch.arange(5), torch.arange(5))
+    assert not distinct.any()
+    ones = torch.ones(5)
+    torch.testing.assert_close(
+        weighted_infonce(u, v, scale, ones, distinct), weighted_infonce(u, v, scale, ones)
+    )
+    assert co_positive_mask(None, None) is None
+
+
+def test_soft_triplet_never_takes_a_co_positive_as_hardest_negative():
+    u = _unit(4, 8, seed=5)
+    v = _unit(4, 8, seed=6)
+    v[1] = v[0]  # rows 0 and 1 carry the same proxy caption
+    mask = co_positive_mask(None, torch.tensor([7, 7, 8, 9]))
+    margins = torch.full((4,), 0.2)
+    masked = soft_margin_triplet(u, v, margins, reduction="none", co_positives=mask)
+    keep = [0, 2, 3]
+    alone = soft_margin_triplet(u[keep], v[keep], margins[keep], reduction="none")
+    torch.testing.assert_close(masked[0], alone[0])

@@ -16,7 +16,9 @@ names its target in `pipeline.core.labels.LABEL_METHODS`:
 - sps: reliable rows weigh 1 and carry the L_cro/L_met constraints; quasi-clean rows weigh
   ŷ_qc from the quasi phase on; a noisy row becomes the proxy pair (its image with the proxy
   caption) weighing y_p from the noisy phase on, when y_p > 0; otherwise it weighs 0 and keeps
-  its own caption as a negative.
+  its own caption as a negative. The symmetric direction adds rows: the noisy caption T_n with
+  its proxy image Ï, weighing y_p^t from the noisy phase on, when y_p^t > 0
+  (`proxy_image_weights`).
 - weights: the label is the weight (RCR's w̃, the cosine baseline's label; vanilla: all 1;
   oracle: ground truth 1/0).
 """
@@ -30,7 +32,14 @@ import numpy as np
 
 from pipeline.core.partition import CLEAN, NOISY, QUASI_CLEAN
 
-__all__ = ["TRAINING_TARGETS", "Phase", "TrainingTargets", "coteach_phase", "training_targets"]
+__all__ = [
+    "TRAINING_TARGETS",
+    "Phase",
+    "TrainingTargets",
+    "coteach_phase",
+    "proxy_image_weights",
+    "training_targets",
+]
 
 TRAINING_TARGETS = ("bicro", "sps", "weights")
 
@@ -128,3 +137,23 @@ def training_targets(
             use_proxy = (subset == NOISY) & (y_p > 0)
             weight[use_proxy] = y_p[use_proxy]
     return TrainingTargets(weight=weight.astype(np.float32), reliable=reliable, use_proxy=use_proxy)
+
+
+def proxy_image_weights(target: str, phase: Phase, proxy_label_txt: np.ndarray) -> np.ndarray:
+    """Weights of the SPS text-direction proxy pairs (proxy image Ï, noisy caption T_n).
+
+    These are extra training rows, one per noisy pair with y_p^t > 0 (docs/methods.md §10.3):
+    weight y_p^t from the noisy phase on, 0 (not trained) before it and for other targets.
+
+    Args:
+        target: one of TRAINING_TARGETS.
+        phase: from `coteach_phase`.
+        proxy_label_txt: (M,) y_p^t; NaN counts as 0.
+
+    Returns:
+        (M,) float32 in [0, 1].
+    """
+    y_p = np.clip(np.nan_to_num(np.asarray(proxy_label_txt, np.float32), nan=0.0), 0.0, 1.0)
+    if target != "sps" or not phase.noisy:
+        return np.zeros_like(y_p)
+    return y_p

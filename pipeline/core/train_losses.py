@@ -17,6 +17,10 @@ Contract:
   (docs/methods.md §10.5), with the margin indexed by each query's own pair in both directions (the
   references' broadcasting bug fixed).
 - `sps_consistency_losses`: SPS's stable-space constraints L_cro and L_met (docs/methods.md §10.5).
+- Co-positives (`co_positive_mask`): rows that share an image source or a text source (SPS proxy
+  pairs: several noisy images with the same proxy caption, a proxy image next to its own pair)
+  are removed from each other's negatives in `weighted_infonce` and `soft_margin_triplet` when
+  the caller passes the per-row source ids; without ids every other row is a negative.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ __all__ = [
     "soft_margin",
     "soft_margin_triplet",
     "sps_consistency_losses",
+    "co_positive_mask",
 ]
 
 
@@ -86,11 +91,41 @@ def symmetric_infonce(
     return 0.5 * (loss_i2t + loss_t2i).mean()
 
 
+def co_positive_mask(
+    image_groups: torch.Tensor | None, text_groups: torch.Tensor | None
+) -> torch.Tensor | None:
+    """(B, B) bool: True where rows i != j share an image source or a text source.
+
+    Such a j is a second positive of i, not a negative (SPS proxy pairs, docs/methods.md §10.5):
+    k noisy images carrying one proxy caption would otherwise cap each other's match
+    probability near 1/k and push a correct caption away from its image.
+
+    Args:
+        image_groups: (B,) int64 id of each row's image source (e.g. a hash of the key of the
+            pair the image comes from), or None.
+        text_groups: (B,) int64 id of each row's text source, or None.
+
+    Returns:
+        The mask (diagonal False), or None when both ids are None.
+    """
+    same = None
+    for groups in (image_groups, text_groups):
+        if groups is None:
+            continue
+        groups = groups.reshape(-1)
+        equal = groups[:, None] == groups[None, :]  # (B, B)
+        same = equal if same is None else same | equal
+    if same is None:
+        return None
+    return same & ~torch.eye(same.shape[0], dtype=torch.bool, device=same.device)
+
+
 def weighted_infonce(
     image_emb: torch.Tensor,
     text_emb: torch.Tensor,
     logit_scale: float | torch.Tensor,
     weights: torch.Tensor,
+    co_positives: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-pair weighted InfoNCE, (1/B) Σ_i w_i·½(ℓ^{i2t}_i + ℓ^{t2i}_i) (docs/methods.md §10.5).
 
@@ -104,17 +139,30 @@ def weighted_infonce(
         text_emb: (B, D) L2-normalised text embeddings.
         logit_scale: 1/τ, a float or a 0-d tensor.
         weights: (B,) non-negative weights (e.g. RCR's w̃ or SPS's labels); detached.
+        co_positives: (B, B) bool from `co_positive_mask`, or None: a True (i, j) leaves j out
+            of i's softmaxes in both directions (neither a negative nor a positive of i).
 
     Returns:
         () float32 scalar.
 
     Raises:
-        ValueError: when weights is not (B,).
+        ValueError: when weights is not (B,) or co_positives not (B, B).
     """
     batch = image_emb.shape[0]
     if weights.shape != (batch,):
         raise ValueError(f"weights must have shape ({batch},); got {tuple(weights.shape)}")
-    loss_i2t, loss_t2i = infonce_per_sample(image_emb, text_emb, logit_scale)  # (B,), (B,)
+    if co_positives is None:
+        loss_i2t, loss_t2i = infonce_per_sample(image_emb, text_emb, logit_scale)  # (B,), (B,)
+    else:
+        if co_positives.shape != (batch, batch):
+            raise ValueError(
+                f"co_positives must have shape ({batch}, {batch}); got {tuple(co_positives.shape)}"
+            )
+        logits = logit_scale * image_emb.float() @ text_emb.float().T  # (B, B): z_ij
+        logits = logits.masked_fill(co_positives.to(logits.device), float("-inf"))
+        diagonal = torch.arange(batch, device=logits.device)
+        loss_i2t = -torch.log_softmax(logits, dim=1)[diagonal, diagonal]  # (B,)
+        loss_t2i = -torch.log_softmax(logits, dim=0)[diagonal, diagonal]  # (B,)
     weights = weights.detach().to(device=loss_i2t.device, dtype=torch.float32)  # (B,)
     return (weights * 0.5 * (loss_i2t + loss_t2i)).sum() / batch
 
@@ -173,6 +221,7 @@ def soft_margin_triplet(
     text_emb: torch.Tensor,
     margins: torch.Tensor,
     reduction: str = "sum",
+    co_positives: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """VSE++ hardest-negative triplet loss with a per-pair margin (NCR/BiCro training loss).
 
@@ -188,6 +237,8 @@ def soft_margin_triplet(
         text_emb: (B, D) L2-normalised text embeddings.
         margins: (B,) per-pair margins, e.g. `soft_margin(labels)`; detached.
         reduction: "sum" (the references: summed over the batch, not averaged) or "none".
+        co_positives: (B, B) bool from `co_positive_mask`, or None: a True (i, j) is never
+            i's hardest negative.
 
     Returns:
         () float32 sum, or (B,) float32 per-sample losses with reduction="none". A batch of one
@@ -210,6 +261,8 @@ def soft_margin_triplet(
     # Text j queries the images: column j, margin of pair j -> (1, B).
     cost_t2i = (margin[None, :] - positive[None, :] + scores).clamp(min=0)  # (B, B)
     # Zero the positives before the max: costs are >= 0, so an all-zero row means no violation.
+    if co_positives is not None:
+        diagonal = diagonal | co_positives.to(scores.device)
     cost_i2t = cost_i2t.masked_fill(diagonal, 0.0)
     cost_t2i = cost_t2i.masked_fill(diagonal, 0.0)
     per_sample = cost_i2t.amax(dim=1) + cost_t2i.amax(dim=0)  # (B,)

@@ -23,7 +23,8 @@ Contract:
   recorded too, and `ncl.trainee_view`: the view whose embeddings and losses made the labels
   (SPS's trainee; the view itself for every other method).
 - `SPS_PROXIES_SCHEMA` is the intermediate table of SPS proxy pairs under `rounds/` (free to
-  change, not a contract).
+  change, not a contract; its version in `ncl.schema`: `sps_proxies.v2` appended the noisy
+  caption T_n and the two P^ columns to v1, so the trainer can train the text direction).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ __all__ = [
     "READABLE_SCHEMA_NAMES",
     "REQUIRED_METADATA",
     "SPS_PROXIES_SCHEMA",
+    "SPS_PROXIES_SCHEMA_NAME",
     "SUBSET_VALUES",
     "labels_file_metadata",
     "labels_json_schema",
@@ -52,6 +54,8 @@ __all__ = [
 LABELS_SCHEMA_NAME = "labels.v2"
 READABLE_SCHEMA_NAMES = ("labels.v1", "labels.v2")  # what `read_labels` accepts
 SUBSET_VALUES = ("clean", "quasi_clean", "noisy")  # `subset` dictionary values
+# v2 = v1 + `caption`, `p_hat_img`, `p_hat_txt` appended (the text-direction proxy pair trains)
+SPS_PROXIES_SCHEMA_NAME = "sps_proxies.v2"
 
 # (name, type, nullable, description): the table of docs/architecture.md §4.4, in column order.
 _COLUMNS: tuple[tuple[str, pa.DataType, bool, str], ...] = (
@@ -156,8 +160,13 @@ SPS_PROXIES_SCHEMA = pa.schema(
         pa.field("text_proxy_key", pa.string(), nullable=True),  # T̈: nearest reliable text
         pa.field("y_p_txt", pa.float32(), nullable=False),  # label of (proxy image, T_n)
         pa.field("s_txt", pa.float32(), nullable=False),  # S(T_n, T̈)
+        # v2: T_n, the noisy pair's own caption, which the trainer pairs with the proxy image
+        # Ï (the image of text_proxy_key) without opening the noisy pair's shard
+        pa.field("caption", pa.string(), nullable=True),
+        pa.field("p_hat_img", pa.float32(), nullable=False),  # P^(I_n, Ṫ), duplicates masked
+        pa.field("p_hat_txt", pa.float32(), nullable=False),  # P^(Ï, T_n)
     ],
-    metadata={"ncl.schema": "sps_proxies.v1"},
+    metadata={"ncl.schema": SPS_PROXIES_SCHEMA_NAME},
 )
 
 

@@ -51,6 +51,8 @@ PROXY_COLUMNS = (
     "text_proxy_key",
     "y_p_txt",
     "s_txt",
+    "p_hat_img",
+    "p_hat_txt",
 )
 
 
@@ -316,6 +318,8 @@ def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch, params) -> Sha
             "text_proxy_key": by_text["keys"],
             "y_p_txt": np.nan_to_num(out["y_p_txt"], nan=0.0),
             "s_txt": np.nan_to_num(out["s_txt"], nan=0.0),
+            "p_hat_img": out["p_hat_img"],
+            "p_hat_txt": out["p_hat_txt"],
         }
     return ShardLabels(
         soft_label=label,

@@ -97,11 +97,14 @@ def _write_proxies(spec: LabelSpec, shard: str, table: pa.Table, proxies: dict |
     if proxies is None:
         arrays = [pa.array([], f.type) for f in SPS_PROXIES_SCHEMA]
     else:
-        arrays = [table.column("key").take(pa.array(proxies["rows"], pa.int64()))]
+        rows = pa.array(proxies["rows"], pa.int64())
+        # The noisy pair's own caption T_n comes from the label table (the method sees no text).
+        columns = {name: table.column(name).take(rows) for name in ("key", "caption")}
         for name in PROXY_COLUMNS:
             kind = SPS_PROXIES_SCHEMA.field(name).type
             values = proxies[name]
-            arrays.append(pa.array(list(values) if kind == pa.string() else values, kind))
+            columns[name] = pa.array(list(values) if kind == pa.string() else values, kind)
+        arrays = [columns[f.name] for f in SPS_PROXIES_SCHEMA]
     out = pa.table(arrays, schema=SPS_PROXIES_SCHEMA)
     write_table_atomic(out, f"{folder}/{shard}.parquet", SPS_PROXIES_SCHEMA)
 

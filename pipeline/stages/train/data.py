@@ -3,14 +3,18 @@ the per-row targets of the epoch's co-teaching phase (see the package docstring)
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import logging
 import zlib
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pipeline.core.coteach import Phase, coteach_phase, training_targets
+from pipeline.core.coteach import Phase, coteach_phase, proxy_image_weights, training_targets
 from pipeline.io.admitted import ShardChangedError, fingerprint_change, read_reference
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import (
@@ -29,10 +33,14 @@ __all__ = [
     "epoch_phase",
     "epoch_shard_order",
     "read_training_batches",
+    "source_id",
+    "text_proxy_pairs",
     "steps_per_epoch",
 ]
 
 TARGET_STATS = ("pairs", "weight", "reliable", "proxy")  # per-epoch sums, in the history
+
+logger = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------------------
 # Data: deterministic per-epoch order, label join by key at read time
@@ -53,6 +61,7 @@ class _ShardLabels:
     subset: np.ndarray  # (N,) int8 codes (CLEAN when the table has no subset column)
     proxy_caption: list[str | None] | None = None  # SPS: the caption paired with the image
     proxy_label: np.ndarray | None = None  # (N,) float32 y_p (NaN: no proxy)
+    proxy_key: list[str | None] | None = None  # SPS: the pair the proxy caption comes from
 
 
 def _read_shard_labels(view: ViewSpec, shard: str) -> _ShardLabels | None:
@@ -79,27 +88,86 @@ def _read_shard_labels(view: ViewSpec, shard: str) -> _ShardLabels | None:
         )
     if view.proxies_dir is not None:
         proxies = pq.read_table(
-            f"{view.proxies_dir}/{shard}.parquet", columns=["key", "image_proxy_caption", "y_p_img"]
+            f"{view.proxies_dir}/{shard}.parquet",
+            columns=["key", "image_proxy_key", "image_proxy_caption", "y_p_img"],
         )
         labels.proxy_caption = [None] * len(keys)
+        labels.proxy_key = [None] * len(keys)
         labels.proxy_label = np.full(len(keys), np.nan, dtype=np.float32)
-        for key, caption, y_p in zip(
-            proxies.column("key").to_pylist(),
-            proxies.column("image_proxy_caption").to_pylist(),
-            proxies.column("y_p_img").to_pylist(),
-            strict=True,
+        for key, proxy_key, caption, y_p in zip(
+            *(proxies.column(name).to_pylist() for name in proxies.column_names), strict=True
         ):
             row = labels.row.get(key)
             if row is not None and caption is not None:
                 labels.proxy_caption[row] = caption
+                labels.proxy_key[row] = proxy_key
                 labels.proxy_label[row] = y_p
     return labels
 
 
+@functools.lru_cache(maxsize=4)
+def text_proxy_pairs(
+    labels_dir: str, proxies_dir: str, shards: tuple[str, ...]
+) -> dict[str, list[tuple[str, str, float, str]]]:
+    """SPS text-direction proxy pairs by the shard that holds the proxy image Ï:
+    (Ï's key, the noisy caption T_n, y_p^t, the noisy pair's key), for y_p^t > 0.
+
+    The proxy image usually lives in another shard than the noisy pair. Rather than open that
+    shard's tar, the row is attached to it: the shard's reader emits Ï once more with T_n. This
+    reads every proxies table and the key column of every label table once per training run
+    (cached; labels do not change within a run).
+    """
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    wanted = []
+    for shard in shards:
+        path = f"{proxies_dir}/{shard}.parquet"
+        if "caption" not in pq.read_schema(path).names:
+            logger.warning(
+                "%s is an sps_proxies.v1 table (no noisy caption): the text-direction proxy "
+                "pairs are not trained; rerun the label pass to write sps_proxies.v2",
+                path,
+            )
+            return {}
+        table = pq.read_table(path, columns=["key", "caption", "text_proxy_key", "y_p_txt"])
+        wanted.append(table.filter(pc.greater(table.column("y_p_txt"), 0.0)))
+    rows = [r for t in wanted for r in zip(*(c.to_pylist() for c in t.columns), strict=True)]
+    images = {image for _, _, image, _ in rows if image is not None}
+    home: dict[str, str] = {}
+    for shard in shards:
+        keys = pq.read_table(f"{labels_dir}/{shard}.parquet", columns=["key"]).column("key")
+        present = keys.filter(pc.is_in(keys, value_set=_string_array(images)))
+        home.update(dict.fromkeys(present.to_pylist(), shard))
+    out: dict[str, list[tuple[str, str, float, str]]] = defaultdict(list)
+    for key, caption, image, y_p in rows:
+        if image in home and caption is not None:
+            out[home[image]].append((image, caption, float(y_p), key))
+    return dict(out)
+
+
+def _string_array(values):
+    import pyarrow as pa
+
+    return pa.array(sorted(values), pa.string())
+
+
+def _text_proxies(spec: TrainSpec, view: ViewSpec, phase: Phase, shards: list[str]) -> dict:
+    """This rank's shards' text-direction proxy rows (empty outside SPS's noisy phase)."""
+    if view.proxies_dir is None or view.labels_dir is None or view.target != "sps":
+        return {}
+    if not phase.noisy:
+        return {}
+    every = tuple(shard_name(p) for p in spec.shards)
+    pairs = text_proxy_pairs(view.labels_dir, view.proxies_dir, every)
+    return {shard_name(p): pairs[shard_name(p)] for p in shards if shard_name(p) in pairs}
+
+
 def _targets(
     view: ViewSpec, phase: Phase, labels: _ShardLabels, keys: list[str]
-) -> tuple[np.ndarray, np.ndarray, list[str | None]]:
-    """(weights, reliable flags, proxy captions or None) of the shard's samples, in order."""
+) -> tuple[np.ndarray, np.ndarray, list[str | None], list[str | None]]:
+    """(weights, reliable flags, proxy captions or None, their source keys or None) of the
+    shard's samples, in order."""
     rows = np.array([labels.row[k] for k in keys], dtype=np.int64)
     proxy = labels.proxy_label[rows] if labels.proxy_label is not None else None
     targets = training_targets(
@@ -111,9 +179,62 @@ def _targets(
         weight_cut=view.weight_cut,
     )
     captions: list[str | None] = [None] * len(keys)
+    sources: list[str | None] = [None] * len(keys)
     for i in np.flatnonzero(targets.use_proxy):
         captions[i] = labels.proxy_caption[rows[i]]
-    return targets.weight, targets.reliable, captions
+        sources[i] = labels.proxy_key[rows[i]]
+    return targets.weight, targets.reliable, captions, sources
+
+
+def source_id(key: str) -> int:
+    """A 63-bit id of a pair's key: rows whose image (or text) comes from the same pair are
+    co-positives in the loss (`pipeline.core.train_losses.co_positive_mask`)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") >> 1
+
+
+def _shard_rows(view, phase, labels, samples, extras) -> dict:
+    """The shard's training rows: one per sample (SPS: a noisy image with its proxy caption),
+    plus SPS's text-direction proxy pairs (a sample's image with a noisy caption T_n)."""
+    keys = [s.key for s in samples]
+    n = len(samples)
+    if labels is None:
+        weights, reliable = np.ones(n, dtype=np.float32), np.zeros(n, dtype=bool)
+        proxy_captions: list[str | None] = [None] * n
+        proxy_sources: list[str | None] = [None] * n
+    else:
+        weights, reliable, proxy_captions, proxy_sources = _targets(view, phase, labels, keys)
+    rows = {
+        "sample": list(range(n)),
+        "caption": [c or s.caption for c, s in zip(proxy_captions, samples, strict=True)],
+        "weight": list(weights),
+        "reliable": list(reliable),
+        "proxy": [c is not None for c in proxy_captions],
+        "image_source": list(keys),
+        "text_source": [p or k for p, k in zip(proxy_sources, keys, strict=True)],
+    }
+    where = {k: i for i, k in enumerate(keys)}
+    extra_weights = proxy_image_weights(view.target, phase, [e[2] for e in extras])
+    for (image_key, caption, _, noisy_key), weight in zip(extras, extra_weights, strict=True):
+        if weight <= 0 or image_key not in where:  # Ï not admitted or not decodable
+            continue
+        for name, value in (
+            ("sample", where[image_key]),
+            ("caption", caption),
+            ("weight", weight),
+            ("reliable", False),
+            ("proxy", True),
+            ("image_source", image_key),
+            ("text_source", noisy_key),
+        ):
+            rows[name].append(value)
+    rows["weight"] = np.asarray(rows["weight"], dtype=np.float32)
+    rows["reliable"] = np.asarray(rows["reliable"], dtype=np.float32)
+    rows["proxy"] = np.asarray(rows["proxy"], dtype=np.float32)
+    for side in ("image", "text"):
+        rows[f"{side}_group"] = np.array(
+            [source_id(k) for k in rows.pop(f"{side}_source")], dtype=np.int64
+        )
+    return rows
 
 
 def read_training_batches(
@@ -126,14 +247,17 @@ def read_training_batches(
     phase: Phase,
     admitted_dir: str | None = None,
     rows_per_batch: int = 256,
+    text_proxies: dict[str, list] | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
     """Ray Data UDF: shard paths in, decoded + preprocessed + labelled rows out (streamed).
 
     Only the keys the round-0 embed pass admitted (`admitted_dir`/<shard>.parquet: not
     quarantined, not a corpus-wide duplicate) are used; a decodable sample whose key is missing
     from the label table is skipped (it has no label to train on: the oracle's table lists the
-    clean pairs only). A shard whose bytes differ from what the embed pass read raises
-    `ShardChangedError` before any of its rows is used.
+    clean pairs only). `text_proxies` (shard -> SPS text-direction proxy pairs whose proxy image
+    is in that shard, `text_proxy_pairs`) adds rows: the image once more, with a noisy caption.
+    A shard whose bytes differ from what the embed pass read raises `ShardChangedError` before
+    any of its rows is used.
     """
     preprocess, tokenizer = load_transforms(model)
     for path in batch["path"]:
@@ -157,27 +281,21 @@ def read_training_batches(
         changed = reference and fingerprint_change(path, reference, stats.size, stats.sha256)
         if changed:
             raise ShardChangedError(f"{changed}; rerun to embed it again")
-        if labels is None:
-            weights = np.ones(len(samples), dtype=np.float32)
-            reliable = np.zeros(len(samples), dtype=bool)
-            proxy_captions: list[str | None] = [None] * len(samples)
-        else:
-            weights, reliable, proxy_captions = _targets(
-                view, phase, labels, [s.key for s in samples]
-            )
+        rows = _shard_rows(view, phase, labels, samples, (text_proxies or {}).get(shard, []))
         order = np.random.default_rng([view.seed, epoch, zlib.crc32(shard.encode())]).permutation(
-            len(samples)
+            len(rows["sample"])
         )
         for start in range(0, len(order), rows_per_batch):
             chunk = order[start : start + rows_per_batch]
-            captions = [proxy_captions[i] or samples[i].caption for i in chunk]
-            yield {
-                "pixels": torch.stack([preprocess(samples[i].image) for i in chunk]).numpy(),
-                "tokens": tokenizer(captions).numpy(),
-                "weight": weights[chunk],
-                "reliable": reliable[chunk].astype(np.float32),
-                "proxy": np.array([proxy_captions[i] is not None for i in chunk], np.float32),
+            out = {
+                "pixels": torch.stack(
+                    [preprocess(samples[rows["sample"][i]].image) for i in chunk]
+                ).numpy(),
+                "tokens": tokenizer([rows["caption"][i] for i in chunk]).numpy(),
             }
+            for name in ("weight", "reliable", "proxy", "image_group", "text_group"):
+                out[name] = rows[name][chunk]
+            yield out
 
 
 def epoch_phase(spec: TrainSpec, view: ViewSpec, epoch: int) -> Phase:
@@ -211,6 +329,7 @@ def epoch_batches(spec: TrainSpec, view: ViewSpec, epoch: int, rank: int, world:
     ctx.execution_options.preserve_order = True  # the seeded order must survive the pipeline
     ctx.enable_progress_bars = False
     shards = epoch_shard_order(spec.shards, view.seed, epoch)[rank::world]
+    phase = epoch_phase(spec, view, epoch)
     dataset = ray.data.from_items([{"path": p} for p in shards], override_num_blocks=len(shards))
     dataset = dataset.map_batches(
         read_training_batches,
@@ -220,8 +339,9 @@ def epoch_batches(spec: TrainSpec, view: ViewSpec, epoch: int, rank: int, world:
             "decode": spec.decode,
             "view": view,
             "epoch": epoch,
-            "phase": epoch_phase(spec, view, epoch),
+            "phase": phase,
             "admitted_dir": _admitted_dir(spec),
+            "text_proxies": _text_proxies(spec, view, phase, shards),
         },
     )
     return dataset.iter_torch_batches(
@@ -234,6 +354,8 @@ def epoch_batches(spec: TrainSpec, view: ViewSpec, epoch: int, rank: int, world:
             "weight": torch.float32,
             "reliable": torch.float32,
             "proxy": torch.float32,
+            "image_group": torch.int64,
+            "text_group": torch.int64,
         },
     )
 

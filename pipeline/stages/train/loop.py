@@ -13,6 +13,7 @@ import torch
 from pipeline.core.losses import infonce_per_sample, triplet_per_sample
 from pipeline.core.schedule import WarmupState, cosine_lr, update_warmup
 from pipeline.core.train_losses import (
+    co_positive_mask,
     select_small_loss,
     soft_margin,
     soft_margin_triplet,
@@ -54,14 +55,19 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def _label_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, weight, reliable):
-    """Co-teaching objective on the peer's labels (docs/methods.md §10.5)."""
+def _label_loss(
+    spec: TrainSpec, image_emb, text_emb, logit_scale, weight, reliable, co_positives=None
+):
+    """Co-teaching objective on the peer's labels (docs/methods.md §10.5). Rows sharing an
+    image or text source (SPS proxy pairs) are left out of each other's negatives."""
     if spec.train.label_loss == "soft_margin_triplet":
         # Averaged rather than summed as in the references, so one LR fits both losses.
         margins = soft_margin(weight)
-        loss = soft_margin_triplet(image_emb, text_emb, margins, reduction="none").mean()
+        loss = soft_margin_triplet(
+            image_emb, text_emb, margins, reduction="none", co_positives=co_positives
+        ).mean()
     else:
-        loss = weighted_infonce(image_emb, text_emb, logit_scale, weight)
+        loss = weighted_infonce(image_emb, text_emb, logit_scale, weight, co_positives)
     rows = reliable > 0.5
     if int(rows.sum()) >= 2 and (spec.train.sps.lambda_cro > 0 or spec.train.sps.lambda_met > 0):
         l_cro, l_met = sps_consistency_losses(image_emb[rows], text_emb[rows])
@@ -74,7 +80,13 @@ def _step_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, batch, selecti
     trains the temperature)."""
     if spec.mode == "labels":
         loss = _label_loss(
-            spec, image_emb, text_emb, logit_scale, batch["weight"], batch["reliable"]
+            spec,
+            image_emb,
+            text_emb,
+            logit_scale,
+            batch["weight"],
+            batch["reliable"],
+            batch.get("co_positives"),
         )
         loss_i2t, loss_t2i = infonce_per_sample(
             image_emb.detach(), text_emb.detach(), logit_scale.detach()
@@ -192,6 +204,10 @@ class _ViewTrainer:
             "weight": batch["weight"].to(device, non_blocking=True),  # (B,)
             "reliable": batch["reliable"].to(device, non_blocking=True),  # (B,)
         }
+        if spec.mode == "labels":  # (B, B) rows that share an image or a text source
+            targets["co_positives"] = co_positive_mask(
+                batch["image_group"].to(device), batch["text_group"].to(device)
+            )
         dtype = self.loaded.autocast_dtype
         with torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype is not None):
             image_emb, text_emb, logit_scale = self.model(pixels, tokens)
