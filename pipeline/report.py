@@ -29,6 +29,9 @@ import numpy as np
 __all__ = ["write_report"]
 
 GALLERY_SIZE = 12  # pairs per gallery
+# Figures and galleries read at most this many rows (an even sample beyond it); the counts in
+# the summary come from the label pass and stay exact.
+REPORT_MAX_ROWS = 1_000_000
 THUMB_SIZE = 112
 KIND_COLOURS = {"clean": "tab:green", "partial": "tab:orange", "mismatched": "tab:red"}
 SUBSET_COLOURS = {"clean": "tab:green", "quasi_clean": "tab:orange", "noisy": "tab:red"}
@@ -188,11 +191,14 @@ def _thumbnails(wanted: dict[str, list[str]], shard_paths: dict[str, str], fs, f
     return out
 
 
-def _losses_and_mixture(table, meta: dict[str, str]) -> tuple[np.ndarray, dict[str, Any]]:
-    """The losses the mixture was fitted on, and that mixture's record."""
+def _losses_and_mixture(
+    table, meta: dict[str, str], max_rows: int
+) -> tuple[np.ndarray, dict[str, Any]]:
+    """The losses the mixture was fitted on (at most `max_rows`), and that mixture's record."""
     import json
 
     from pipeline.inspect_run import label_table_metadata
+    from pipeline.io.tables import sample_rows
     from pipeline.labels import read_labels
 
     mixture = json.loads(meta.get("ncl.mixture", "{}") or "{}")
@@ -202,7 +208,8 @@ def _losses_and_mixture(table, meta: dict[str, str]) -> tuple[np.ndarray, dict[s
         # Published labels average two views; a mixture was fitted on one view's losses only.
         source = read_labels(sources[0])
         mixture = json.loads(label_table_metadata(source).get("ncl.mixture", "{}") or "{}")
-        loss = source.to_table(columns=["loss"]).column("loss").to_numpy().astype(np.float64)
+        loss = sample_rows(source, ["loss"], max_rows)[0].column("loss").to_numpy()
+        loss = loss.astype(np.float64)
     return loss, mixture
 
 
@@ -397,6 +404,7 @@ def write_report(
     view: str | None = None,
     ground_truth: str | None = None,
     gallery_size: int = GALLERY_SIZE,
+    max_rows: int = REPORT_MAX_ROWS,
 ) -> str:
     """Write `<run>/report/index.html` and its PNGs; returns the index path.
 
@@ -406,6 +414,8 @@ def write_report(
         view: which `labels_<view>` of a round directory.
         ground_truth: ground_truth.parquet (default: the label pass's, else the job's).
         gallery_size: pairs per gallery.
+        max_rows: rows read for the figures and galleries; a larger run is sampled evenly
+            (every k-th row), so the driver's memory does not grow with the corpus.
 
     Raises:
         pipeline.labels.LabelTableError: no label tables under `run_dir`.
@@ -413,7 +423,7 @@ def write_report(
     import fsspec
 
     from pipeline.inspect_run import _run_dir_of, label_table_metadata
-    from pipeline.io.tables import read_json
+    from pipeline.io.tables import read_json, sample_rows
     from pipeline.labels import labels_folder_url, read_labels
     from pipeline.report_story import rounds_figure, story_html, summary_html
 
@@ -428,12 +438,12 @@ def write_report(
     summary = read_json(f"{folder}/_label_pass.json")
     columns = ["key", "shard", "caption", "soft_label", "clean_prob", "subset", "loss", "cosine"]
     columns += ["image_anchor_key", "text_anchor_key"]
-    table = dataset.to_table(columns=columns)
+    table, stride = sample_rows(dataset, columns, max_rows)
     soft = table.column("soft_label").to_numpy()
     prob = table.column("clean_prob").to_numpy()
     keys = np.array(table.column("key").to_pylist(), dtype=object)
 
-    loss, mixture = _losses_and_mixture(table, meta)
+    loss, mixture = _losses_and_mixture(table, meta, max_rows)
     fig = _loss_figure(plt, loss, mixture)
     _save(fig, fs, f"{out}/loss_mixture.png")
     plt.close(fig)
@@ -453,7 +463,12 @@ def write_report(
     threshold = float(mixture.get("threshold", 0.5))
     galleries = _gallery_rows(table, soft, prob, threshold, gallery_size)
     parts = {
-        "summary": summary_html(metrics, meta, read_json(f"{root}/manifest.json")),
+        "summary": summary_html(metrics, meta, read_json(f"{root}/manifest.json"))
+        + (
+            f"<p>Figures and galleries: 1 pair in {stride} ({table.num_rows:,} pairs).</p>"
+            if stride > 1
+            else ""
+        ),
         "story": story_html(metrics),
         "quality": _quality_html(summary),
         "galleries": _galleries_html(dataset, table, galleries, soft, prob, truth_groups, fs, out),

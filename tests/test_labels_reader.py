@@ -18,10 +18,11 @@ from report_browser import check_report_in_browser
 
 import pipeline
 from pipeline.config import load_job
-from pipeline.inspect_run import inspect_run
+from pipeline.inspect_run import QUANTILES, _histogram_quantiles, inspect_run
 from pipeline.io.labels import LABELS_SCHEMA
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import iter_shard_records, shard_name
+from pipeline.io.tables import sample_rows
 from pipeline.labels import LabelTableError, read_labels
 from pipeline.report import write_report
 from pipeline.runner import resolve_inputs, run_job
@@ -149,3 +150,32 @@ def test_inspect_and_report(labelled_run, tmp_path):
     assert "AUROC" in page and "<pre>" not in page  # a summary, not a text dump
     state = check_report_in_browser(index, tmp_path / "report.png")
     assert len(state["images"]) >= 38  # two figures and the thumbnails
+    # A run larger than the report's row budget is sampled evenly, and the page says so.
+    rows = read_labels(out).count_rows()
+    page = Path(write_report(out, max_rows=rows // 3)).read_text()
+    assert re.search(r"Figures and galleries: 1 pair in [34] ", page)
+    assert "Borderline pairs" in page
+
+
+def test_sample_rows_reads_every_kth_row_batch_by_batch(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for part in range(3):
+        ids = np.arange(part * 1000, (part + 1) * 1000)
+        pq.write_table(pa.table({"id": ids}), tmp_path / f"{part}.parquet", row_group_size=128)
+    dataset = ds.dataset(str(tmp_path), format="parquet")
+    sample, stride = sample_rows(dataset, ["id"], 700)
+    assert stride == 5  # ceil(3000 / 700)
+    assert sorted(sample.column("id").to_pylist()) == list(range(0, 3000, 5))
+    whole, stride = sample_rows(dataset, ["id"], 3000)
+    assert stride == 1 and whole.num_rows == 3000
+
+
+def test_inspect_quantiles_from_the_histogram_match_numpy():
+    values = np.random.default_rng(0).beta(0.5, 0.5, size=20_000)
+    bins = np.clip((values * 10_000).astype(np.int64), 0, 9_999)
+    histogram = np.bincount(bins, minlength=10_000)
+    got = _histogram_quantiles(histogram, QUANTILES)
+    want = np.quantile(values, QUANTILES)
+    np.testing.assert_allclose(got, want, atol=2e-4)

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 __all__ = [
+    "sample_rows",
     "QUARANTINE_SCHEMA",
     "embedding_matrix",
     "embedding_schema",
@@ -161,3 +162,23 @@ def embedding_matrix(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
     norms = np.linalg.norm(rows, axis=1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(norms > 0, rows / norms, rows).astype(np.float32)
+
+
+def sample_rows(dataset, columns: list[str], max_rows: int) -> tuple[pa.Table, int]:
+    """At most `max_rows` rows of a pyarrow dataset: every k-th row in file order, k =
+    ceil(rows / max_rows), and k (1 = every row).
+
+    Read batch by batch, so memory holds the sample and one batch whatever the dataset's
+    size (a report over 400M pairs must not load 400M captions on the driver).
+    """
+    total = dataset.count_rows()
+    stride = max(1, -(-total // max(1, max_rows)))
+    if stride == 1:
+        return dataset.to_table(columns=columns), 1
+    parts, seen = [], 0
+    for batch in dataset.to_batches(columns=columns):
+        picks = np.arange((-seen) % stride, batch.num_rows, stride)
+        if picks.size:
+            parts.append(batch.take(pa.array(picks)))
+        seen += batch.num_rows
+    return pa.Table.from_batches(parts), stride
