@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -108,13 +110,13 @@ def main() -> None:
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # child: one size
     args = parser.parse_args()
 
-    sizes = sorted(args.sizes)
+    sizes = sorted(set(args.sizes))
     corpus = Path(args.corpus)
     if args.one is not None:
         count = -(-args.one // args.shard_pairs)  # shards holding the first `one` pairs
         shards = sorted(str(p) for p in corpus.glob("[0-9]*.tar"))[:count]
         out = f"{args.out}/{args.one}"
-        subprocess.run(["rm", "-rf", out], check=True)
+        shutil.rmtree(out, ignore_errors=True)
         print(json.dumps(run_one(shards, out, args.methods, args.cpus)), flush=True)
         return
 
@@ -181,7 +183,7 @@ def _bars(sizes: list[int], results: dict, methods: list[str]) -> None:
                 / results[n]["pairs"]
                 for n in (small, large)
             ]
-            growth = (per_pair[1] / per_pair[0]) ** (1 / max(1e-9, _decades(small, large)))
+            growth = (per_pair[1] / per_pair[0]) ** (1 / math.log10(large / small))
             emit(
                 "time_per_pair_growth_per_10x",
                 method=method,
@@ -196,12 +198,6 @@ def _bars(sizes: list[int], results: dict, methods: list[str]) -> None:
             ratio=round(last["labels"][method]["seconds"] / last["embed_s"], 3),
             bar=0.3,
         )
-
-
-def _decades(small: int, large: int) -> float:
-    import math
-
-    return math.log10(large / small)
 
 
 if __name__ == "__main__":

@@ -117,6 +117,7 @@ def text_proxy_pairs(
     reads every proxies table and the key column of every label table once per training run
     (cached; labels do not change within a run).
     """
+    import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -137,19 +138,13 @@ def text_proxy_pairs(
     home: dict[str, str] = {}
     for shard in shards:
         keys = pq.read_table(f"{labels_dir}/{shard}.parquet", columns=["key"]).column("key")
-        present = keys.filter(pc.is_in(keys, value_set=_string_array(images)))
+        present = keys.filter(pc.is_in(keys, value_set=pa.array(sorted(images), pa.string())))
         home.update(dict.fromkeys(present.to_pylist(), shard))
     out: dict[str, list[tuple[str, str, float, str]]] = defaultdict(list)
     for key, caption, image, y_p in rows:
         if image in home and caption is not None:
             out[home[image]].append((image, caption, float(y_p), key))
     return dict(out)
-
-
-def _string_array(values):
-    import pyarrow as pa
-
-    return pa.array(sorted(values), pa.string())
 
 
 def _text_proxies(spec: TrainSpec, view: ViewSpec, phase: Phase, shards: list[str]) -> dict:
