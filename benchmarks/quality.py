@@ -2,7 +2,7 @@
 
 For each noise level: `make_corpus` (partial 10 %) into a temporary folder, the embed pass with
 the chosen model (`run_job`, no training), then label passes on the same embeddings:
-  bicro (BMM, global anchors; the job default), rcr, sps (GMM), cosine -> one JSON line each
+  bicro (BMM, global anchors), rcr (the job default), sps (GMM), cosine -> one JSON line each
   plus the baselines computed in every pass: cosine, GMM posterior, BMM posterior.
 Ablations (BENCHMARKS.md):
   bmm_vs_gmm_anchors   BiCro anchors from the BMM vs the GMM split: anchor precision against

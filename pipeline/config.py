@@ -180,7 +180,7 @@ class SpsLabelsConfig(_Section):
 class LabelsConfig(_Section):
     # The choices are the registry's (pipeline.core.labels.LABEL_METHODS).
     method: Literal[tuple(LABEL_METHODS)] = Field(  # type: ignore[valid-type]
-        "bicro", description="Soft-label method written as soft_label."
+        "rcr", description="Soft-label method written as soft_label (RCR: best measured, README)."
     )
     loss: Literal["infonce_sum", "triplet"] = Field(
         "infonce_sum",

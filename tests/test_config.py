@@ -31,7 +31,7 @@ def _job(tmp_path: Path, text: str = MINIMAL) -> Path:
 
 def test_minimal_job_gets_defaults_and_is_frozen(tmp_path):
     job = load_job(_job(tmp_path))
-    assert job.embed.batch_size == 256 and job.labels.method == "bicro" and job.ray.address is None
+    assert job.embed.batch_size == 256 and job.labels.method == "rcr" and job.ray.address is None
     with pytest.raises(ValidationError):
         job.embed.batch_size = 3  # frozen
 

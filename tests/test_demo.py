@@ -71,7 +71,7 @@ def test_demo_job_runs_from_the_cli(tmp_path):
     first, last = rows[0], rows[-1]
     assert last["auroc_combined"] > max(first["auroc_a"], first["auroc_b"]), rows
     assert last["rsum_A+B"] > first["rsum_A+B"], rows
-    assert "co-teaching (coteach, labels bicro)" in result.stdout
+    assert "co-teaching (coteach, labels rcr)" in result.stdout
     # A short console: progress and summaries, none of Ray's internals, each line once.
     console = result.stdout + result.stderr
     for noise in (
