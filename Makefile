@@ -48,18 +48,11 @@ browser:
 		(apt-get update -qq && \
 		 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
 
-# Two pytest workers (pytest-xdist), one test module each at a time (module fixtures share one
-# run; tests/conftest.py starts the longest modules first): the integration tests wait on
-# process start-ups more than they compute, so two overlap even on 2 cores.
-# `make test PYTEST_WORKERS=0` runs serially.
-PYTEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
-
 test: $(STAMP) browser
-	$(PYTEST)
+	$(BIN)/python -m pytest
 
 test-fast: $(STAMP) browser
-	$(PYTEST) -m "not slow"
+	$(BIN)/python -m pytest -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check pipeline tests benchmarks

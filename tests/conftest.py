@@ -58,37 +58,7 @@ def _gpu_state() -> str | None:
     return _GPU_STATE[0]
 
 
-# The longest modules (serial seconds, measured), started first: pytest-xdist hands a worker
-# one module at a time in collection order (`--dist loadfile --no-loadscope-reorder`), and a
-# long module picked up last would leave the other worker idle at the end.
-LONGEST_FIRST = (
-    "test_faults.py",
-    "test_demo.py",
-    "test_coteach_rounds.py",
-    "test_broken_shards.py",
-    "test_rerun.py",
-    "test_embed_pass.py",
-    "test_label_pass.py",
-    "test_train.py",
-    "test_s3.py",
-    "test_train_two_workers.py",
-    "test_labels_reader.py",
-    "test_export.py",
-    "test_submit.py",
-)
-
-
-def _longest_first(items) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: rest in order
-
-
 def pytest_collection_modifyitems(config, items):
-    _longest_first(items)
-    _skip_gpu_tests(items)
-
-
-def _skip_gpu_tests(items) -> None:
     """`gpu` tests skip on a machine without an NVIDIA GPU; on one whose GPU torch cannot use
     (CPU-only torch, driver too old for torch's CUDA) they fail, in `pytest_runtest_setup`."""
     if not any("gpu" in item.keywords for item in items) or _gpu_state() != "absent":
