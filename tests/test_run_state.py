@@ -23,6 +23,7 @@ def _job(**sections) -> JobConfig:
         "input": {"shards": "/data/{00000..00003}.tar"},
         "output": "/tmp/out",
         "model": {"name": "ncl-tiny"},
+        "labels": {"method": "bicro"},  # the tests below name BiCro's keys
         "train": {"rounds": 1},
     }
     for section, values in sections.items():
