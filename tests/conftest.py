@@ -24,6 +24,15 @@ def local_ray():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def pipeline_run(local_ray, tmp_path_factory) -> dict:
+    """One small real run (embed, labels, publish; export_fixtures.pipeline_run), shared by
+    the modules that only read its outputs."""
+    from export_fixtures import pipeline_run as run
+
+    return run(tmp_path_factory.mktemp("pipeline_run"))
+
+
 def _nvidia_gpus() -> int:
     """GPUs nvidia-smi lists (0 without nvidia-smi): the machine's own answer, not torch's."""
     import shutil

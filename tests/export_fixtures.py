@@ -1,9 +1,10 @@
-"""A small labelled run for the export and loader tests, built once per test session.
+"""Labelled runs for the export, loader and label-reader tests.
 
-`labelled_run(root)` writes a synthetic corpus (8 shards of 50 pairs, a few corrupt samples)
+`pipeline_run(root)` writes a synthetic corpus (4 shards of 150 pairs, a few corrupt samples)
 and runs the real pipeline on it (local Ray, the packaged ncl-tiny model at random init, no
-warm-up, no co-teaching rounds), so `root/run/labels/` holds published label tables. The result
-is memoised: the export and loader modules share one run.
+warm-up, no co-teaching rounds), so `root/run/labels/` holds published label tables. The
+session fixture `pipeline_run` (conftest.py) builds it once for every module that reads it.
+`truth_labelled_corpus(root)` writes label tables from the ground truth, without a model.
 """
 
 from __future__ import annotations
@@ -11,45 +12,54 @@ from __future__ import annotations
 from pathlib import Path
 
 JOB = """
-name: export-test
-input: {{shards: "{corpus}/{{00000..00007}}.tar"}}
+name: labels-test
+input: {{shards: "{corpus}/{{00000..00003}}.tar"}}
 output: {output}
 model: {{name: ncl-tiny, pretrained: null}}
-embed: {{batch_size: 25, gpus_per_worker: 0, cpus_per_worker: 1, decode_threads: 2, concurrency: 2}}
+embed: {{batch_size: 32, gpus_per_worker: 0, cpus_per_worker: 1, decode_threads: 2, concurrency: 2}}
 labels: {{method: bicro}}
 index: {{shards: 2}}
 train: {{warmup_epochs: 0, rounds: 0}}
-seed: 3
+eval: {{ground_truth: {corpus}/ground_truth.parquet}}
+seed: 5
 """
 
-_RUNS: dict[str, dict] = {}
 
+def pipeline_run(root: Path) -> dict:
+    """{"corpus", "run", "job", "paths", "metrics", "summary" (round 1 view a's label pass),
+    "log" (the console lines)}."""
+    from log_capture import console_output
 
-def labelled_run(root: Path) -> dict:
-    """{"corpus": Path, "run": Path, "job": JobConfig, "metrics": dict} (built once per root)."""
-    if str(root) in _RUNS:
-        return _RUNS[str(root)]
     from pipeline.config import load_job
     from pipeline.data.synthetic import make_corpus
-    from pipeline.runner import run_job
+    from pipeline.runner import resolve_inputs, run_job
 
-    corpus = root / "corpus"
+    corpus = root / "demo"
     make_corpus(
         corpus,
-        samples=400,
+        samples=600,
         noise=0.4,
         partial=0.1,
-        seed=7,
-        samples_per_shard=50,
+        seed=4,
+        samples_per_shard=150,
         test_samples=0,
-        corrupt=0.02,
+        corrupt=0.03,
     )
     job_file = root / "job.yaml"
     job_file.write_text(JOB.format(corpus=corpus, output=root / "run"))
     job = load_job(job_file)
-    metrics = run_job(job)
-    _RUNS[str(root)] = {"corpus": corpus, "run": root / "run", "job": job, "metrics": metrics}
-    return _RUNS[str(root)]
+    # run_job labels round 1 (no warm-up, no co-teaching: the initial models) and publishes.
+    with console_output() as lines:
+        metrics = run_job(job)
+    return {
+        "corpus": corpus,
+        "run": root / "run",
+        "job": job,
+        "paths": resolve_inputs(job),
+        "metrics": metrics,
+        "summary": metrics["rounds"]["1"]["labels_a"],
+        "log": lines,
+    }
 
 
 def truth_labelled_corpus(root: Path, *, seed: int = 11) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -137,16 +138,28 @@ def test_published_labels_are_the_mean_of_the_final_round_views(sps_run):
     assert (out / "report" / "index.html").exists()
 
 
-def test_vanilla_and_oracle_use_the_same_trainer(local_ray, corpus, tmp_path):
+def _one_round_after(sps_run: dict, out: Path, mode: str, **train):
+    """The SPS run's job in another train.mode with one round, run into a copy of its output:
+    the run state reuses the round-0 embed pass, the warm-up and round 1's embed and label
+    passes (none depends on the mode) and recomputes round 1's training and what follows."""
+    shutil.copytree(sps_run["out"], out)
+    for later in ("2", "3"):  # the SPS run's own later rounds: not this job's
+        shutil.rmtree(out / "rounds" / later)
+    job = sps_run["job"]
+    update = {"mode": mode, "rounds": 1, **train}
+    return job.model_copy(update={"output": str(out), "train": job.train.model_copy(update=update)})
+
+
+def test_vanilla_and_oracle_use_the_same_trainer(sps_run, corpus, tmp_path):
     vanilla = _job(corpus, tmp_path / "vanilla", method="bicro", mode="vanilla")
     spec = coteach_spec(vanilla, RunLayout(vanilla.output), resolve_inputs(vanilla), 1, {})
     assert all(v.labels_dir is None and v.target == "weights" for v in spec.views)
 
-    oracle = _job(corpus, tmp_path / "oracle", method="bicro", mode="oracle")
-    oracle = oracle.model_copy(
-        update={"train": oracle.train.model_copy(update={"rounds": 1, "warmup_epochs": 0})}
-    )
-    metrics = run_job(oracle)
+    oracle = _one_round_after(sps_run, tmp_path / "oracle", "oracle")
+    with console_output() as lines:
+        metrics = run_job(oracle)
+    said = "\n".join(lines)
+    assert "round0/warmup: reused" in said and "round1/labels_a: reused" in said
     layout = RunLayout(oracle.output)
     truth = pq.read_table(corpus / "ground_truth.parquet", columns=["key", "kind"])
     clean = {k for k, kind in zip(*truth.to_pydict().values(), strict=True) if kind == "clean"}
@@ -159,17 +172,10 @@ def test_vanilla_and_oracle_use_the_same_trainer(local_ray, corpus, tmp_path):
     assert trained["steps"] == batches
 
 
-def test_cosine_filter_trains_on_the_highest_cosine_pairs(local_ray, corpus, tmp_path):
+def test_cosine_filter_trains_on_the_highest_cosine_pairs(sps_run, tmp_path):
     """train.mode cosine_filter: the same trainer on the pairs the warmed models' mean cosine
     ranks highest, as many as the fitted clean weight says (or train.filter_fraction)."""
-    job = _job(corpus, tmp_path / "filter", method="bicro", mode="cosine_filter")
-    job = job.model_copy(
-        update={
-            "train": job.train.model_copy(
-                update={"rounds": 1, "warmup_epochs": 0, "filter_fraction": 0.5}
-            )
-        }
-    )
+    job = _one_round_after(sps_run, tmp_path / "filter", "cosine_filter", filter_fraction=0.5)
     metrics = run_job(job)
     layout = RunLayout(job.output)
     folder = Path(layout.round_dir(1), "labels_cosine_filter")

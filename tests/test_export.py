@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from export_fixtures import labelled_run, truth_labelled_corpus
+from export_fixtures import truth_labelled_corpus
 
 from pipeline.export import ExportConflictError, ExportSpec, export_run
 
@@ -223,8 +223,8 @@ def test_a_killed_export_rerun_leaves_every_kept_key_once(local_ray, corpus, tmp
 
 
 @pytest.fixture(scope="module")
-def real_run(local_ray, tmp_path_factory) -> dict:
-    return labelled_run(tmp_path_factory.mktemp("export_run"))
+def real_run(pipeline_run) -> dict:
+    return pipeline_run
 
 
 @pytest.mark.slow

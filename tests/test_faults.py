@@ -7,6 +7,12 @@ Every job runs as `python -m pipeline.cli run` in a subprocess (the driver). Kil
 deterministic: the test waits for a file the stage writes (its first output table, its first
 resume checkpoint) and only then removes the node that runs the stage's actor or kills the
 driver.
+
+The job has a warm-up and no co-teaching round (`train.rounds: 0`): a co-teaching round runs
+the same stages again (embed, label pass, training that resumes from the same `resume.pt`
+path), so one of each is what a fault can hit; a round more cost about a minute per full run
+here, and this module runs four of them. Co-teaching itself is tested in
+tests/test_coteach_rounds.py.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ mixture: {{kind: gmm}}
 labels: {{method: bicro}}
 index: {{factory: Flat, shards: 2}}
 train:
-  rounds: 1
+  rounds: 0
   warmup_epochs: 1
   epochs_per_round: 1
   batch_size: 32
@@ -214,7 +220,7 @@ DRIVER_KILLS = (
     "rounds/0/checkpoints/A/resume.pt",  # the warm-up
     "rounds/1/labels_a/0000*.parquet",  # round 1's label pass
     "labels/0000*.parquet",  # publishing
-)  # (co-teaching training resumes like the warm-up: same resume.pt path, one kill suffices)
+)
 
 
 def test_a_killed_driver_rerun_gives_the_same_labels(nodes, corpus, reference, tmp_path):

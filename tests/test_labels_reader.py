@@ -13,11 +13,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow.dataset as ds
 import pytest
-from log_capture import console_output
 from report_browser import check_report_in_browser
 
 import pipeline
-from pipeline.config import load_job
 from pipeline.inspect_run import QUANTILES, _histogram_quantiles, inspect_run
 from pipeline.io.labels import LABELS_SCHEMA
 from pipeline.io.layout import RunLayout
@@ -25,49 +23,16 @@ from pipeline.io.shards import iter_shard_records, shard_name
 from pipeline.io.tables import sample_rows
 from pipeline.labels import LabelTableError, read_labels
 from pipeline.report import write_report
-from pipeline.runner import resolve_inputs, run_job
 from pipeline.stages.labels import LabelSpec, run_label_pass
 
 pytestmark = pytest.mark.ray
 
-JOB = """
-name: labels-test
-input: {{shards: "{corpus}/{{00000..00003}}.tar"}}
-output: {output}
-model: {{name: ncl-tiny, pretrained: null}}
-embed: {{batch_size: 32, gpus_per_worker: 0, cpus_per_worker: 1, decode_threads: 2, concurrency: 2}}
-labels: {{method: bicro}}
-index: {{shards: 2}}
-train: {{warmup_epochs: 0, rounds: 0}}
-eval: {{ground_truth: {corpus}/ground_truth.parquet}}
-seed: 5
-"""
-
 
 @pytest.fixture(scope="module")
-def labelled_run(local_ray, tmp_path_factory) -> dict:
-    from pipeline.data.synthetic import make_corpus
-
-    root = tmp_path_factory.mktemp("labels_e2e")
-    make_corpus(
-        root / "demo",
-        samples=600,
-        noise=0.4,
-        partial=0.1,
-        seed=4,
-        samples_per_shard=150,
-        test_samples=0,
-        corrupt=0.03,
-    )
-    job_file = root / "job.yaml"
-    job_file.write_text(JOB.format(corpus=root / "demo", output=root / "run"))
-    job = load_job(job_file)
-    # run_job labels round 1 (no warm-up, no co-teaching: the initial models) and publishes.
-    with console_output() as lines:
-        metrics = run_job(job)
-    summary = metrics["rounds"]["1"]["labels_a"]
-    paths = resolve_inputs(job)
-    return {"job": job, "paths": paths, "summary": summary, "log": lines}
+def labelled_run(pipeline_run) -> dict:
+    """The session's small real run (tests/export_fixtures.py: 4 shards of 150 pairs, BiCro,
+    2 index shards, the ground truth for label quality)."""
+    return pipeline_run
 
 
 def test_labels_and_quarantine_cover_the_input_exactly_once(labelled_run):
