@@ -175,23 +175,24 @@ def test_embed_pass_writes_tables_that_reconcile(local_ray, corpus, tmp_path, ca
 
 
 def test_rerun_skips_complete_shards_and_redoes_partial_ones(local_ray, corpus, tmp_path):
+    """One rerun covers both sides: complete shards are left untouched (same mtime), a shard
+    whose write was cut off (only its temporary file is left) is recomputed identically. A
+    rerun without any change is tests/test_rerun.py's first case."""
     shards = corpus["shards"][:3]
     job = load_job(_write_job(tmp_path, shards))
     first = run_job(job)["rounds"]["0"]["embed"]
     emb_dir = Path(job.output) / "rounds" / "0" / "embeddings"
     done = emb_dir / "00001.parquet"
-    before = {p.name: p.stat().st_mtime_ns for p in emb_dir.glob("*.parquet")}
-
-    again = run_job(job)["rounds"]["0"]["embed"]
-    assert again["shards_skipped"] == 3 and again["embedded"] == 0
-    assert {p.name: p.stat().st_mtime_ns for p in emb_dir.glob("*.parquet")} == before
-
-    # A crash mid-write leaves only a temporary file: the shard is recomputed, identically.
     reference = pq.read_table(done)
     done.unlink()
     (emb_dir / "00001.parquet.tmp-deadbeef").write_bytes(b"partial")
-    third = run_job(job)["rounds"]["0"]["embed"]
-    assert third["shards_skipped"] == 2 and third["embedded"] == reference.num_rows
+    before = {p.name: p.stat().st_mtime_ns for p in emb_dir.glob("*.parquet")}
+    assert len(before) == 2
+
+    again = run_job(job)["rounds"]["0"]["embed"]
+    assert again["shards_skipped"] == 2 and again["embedded"] == reference.num_rows
+    after = {p.name: p.stat().st_mtime_ns for p in emb_dir.glob("*.parquet")}
+    assert {name: after[name] for name in before} == before
     assert pq.read_table(done).equals(reference)
     assert first["embedded"] == sum(pq.read_metadata(p).num_rows for p in emb_dir.glob("*.parquet"))
 
