@@ -10,6 +10,7 @@ Ablations (BENCHMARKS.md):
   rcr_vs_cosine        RCR's weight w~ vs the raw cosine as the weight on the same set C;
   global_vs_in_batch   BiCro with global (FAISS) anchors vs the reference's per-batch anchors;
   bicro_step_vs_fused  BiCro's step label (BiCro*) vs the fused p + (1 - p) c;
+  bicro_nearest_vs_k_anchors  BiCro's consistency over its nearest anchor vs the mean over 5;
   label_pass_overhead  label pass (fit + index + labels, bicro) time / embed pass time.
 
 Which model labels matters: the packaged `ncl-tiny` with random weights is untrained, so its
@@ -215,6 +216,18 @@ def run_noise_level(noise: float, args, workdir: Path, pretrained: str | None) -
         step_spearman=step_q["bicro"]["spearman"],
         fused_spearman=fused_q["bicro"]["spearman"],
         cosine_auroc=step_q["cosine"]["auroc"],
+    )
+    k_anchors = label("labels_bicro_k5", method="bicro", bicro={"anchor_k": 5})
+    nearest_q, k_q = runs["bicro"]["quality"]["bicro"], k_anchors["quality"]["bicro"]
+    emit(
+        "ablation_bicro_nearest_vs_k_anchors",
+        **common,
+        anchor_k=5,
+        nearest_auroc=nearest_q["auroc"],
+        k_auroc=k_q["auroc"],
+        nearest_spearman=nearest_q["spearman"],
+        k_spearman=k_q["spearman"],
+        cosine_auroc=runs["bicro"]["quality"]["cosine"]["auroc"],
     )
     label_seconds = runs["bicro"]["seconds"]["total"]
     emit(

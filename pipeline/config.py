@@ -138,6 +138,13 @@ class BicroLabelsConfig(_Section):
     anchors: Literal["global", "in_batch"] = Field(
         "global", description="Anchors from the whole clean set (FAISS) or per batch (reference)."
     )
+    anchor_k: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="global anchors: consistency averaged over the k nearest anchors by image "
+        "and by text (1: BiCro's single nearest anchor).",
+    )
     label: Literal["step", "fused"] = Field(
         "step",
         description="step: BiCro's label (clean floor + consistency, theta cut); fused: "

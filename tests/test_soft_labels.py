@@ -200,6 +200,30 @@ def test_bicro_global_is_permutation_equivariant_and_shard_free(blobs):
     )
 
 
+def test_bicro_k_anchors_average_the_folds_of_the_k_nearest(blobs):
+    """anchor_k = 3: each side's fold is the mean over its 3 nearest anchors (brute force
+    here), whatever the shards and index stores; the anchor keys still name the nearest."""
+    u, v, _, loss, is_clean = blobs
+    params = BicroLabelsConfig(anchor_k=3)
+    out = _bicro(u, v, loss, is_clean, params=params, shard_sizes=[900, 1100], index_stores=3)
+    anchor = out.masks.anchor
+    rows = np.flatnonzero(anchor)
+    queried = ~anchor
+    image_nn = rows[np.argsort(-(u[queried] @ u[rows].T), axis=1, kind="stable")[:, :3]]
+    text_nn = rows[np.argsort(-(v[queried] @ v[rows].T), axis=1, kind="stable")[:, :3]]
+    uq, vq = u[queried][:, None, :], v[queried][:, None, :]
+    r_i2t = fold((uq * u[image_nn]).sum(-1), (vq * v[image_nn]).sum(-1)).mean(axis=1)
+    r_t2i = fold((vq * v[text_nn]).sum(-1), (uq * u[text_nn]).sum(-1)).mean(axis=1)
+    c = 0.5 * (r_i2t + r_t2i)
+    expected = np.where(is_clean[queried], 0.5 + 0.5 * c, c)
+    np.testing.assert_allclose(out.labels.scores["bicro"][queried], expected, atol=1e-5)
+    np.testing.assert_array_equal(out.labels.image_anchor_key[queried].astype(int), image_nn[:, 0])
+    nearest_only = _bicro(u, v, loss, is_clean)
+    assert not np.allclose(
+        out.labels.scores["bicro"][queried], nearest_only.labels.scores["bicro"][queried]
+    )
+
+
 def test_bicro_rows_without_a_finite_loss():
     u, v, _ = _blobs(n=300, seed=3)
     u[5] = np.nan

@@ -37,6 +37,7 @@ __all__ = [
     "image_groups",
     "image_search_distinct",
     "local_dispatch",
+    "nearest",
     "neighbour_rows",
     "top1",
 ]
@@ -258,13 +259,21 @@ def image_groups(hashes: list[str | None] | None, ids: np.ndarray) -> np.ndarray
     return groups
 
 
+def nearest(
+    neighbours: NeighbourSearch, modality: str, queries: np.ndarray, k: int, batch: int
+) -> np.ndarray:
+    """(Q, k) int64 ids of each query's k nearest rows, canonical order (-1: fewer rows than
+    k), searched in batches of `batch` queries."""
+    out = np.full((queries.shape[0], k), -1, dtype=np.int64)
+    for start in range(0, queries.shape[0], batch):
+        _, ids = neighbours.search(modality, queries[start : start + batch], k)
+        out[start : start + batch, : ids.shape[1]] = ids[:, :k]
+    return out
+
+
 def top1(neighbours: NeighbourSearch, modality: str, queries: np.ndarray, batch: int):
     """(Q,) int64 id of each query's nearest row (-1: empty index), searched in batches."""
-    out = np.full(queries.shape[0], -1, dtype=np.int64)
-    for start in range(0, queries.shape[0], batch):
-        _, ids = neighbours.search(modality, queries[start : start + batch], 1)
-        out[start : start + batch] = ids[:, 0]
-    return out
+    return nearest(neighbours, modality, queries, 1, batch)[:, 0]
 
 
 def neighbour_rows(

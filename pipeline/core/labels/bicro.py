@@ -6,7 +6,8 @@ Contract:
 - Partition: the clean split of the configured mixture (1 % rule, symmetric guard); with
   global anchors, the ceil(rho x |clean|) lowest-loss clean pairs are the anchors (ties by id).
 - Labels: anchors 1; every other pair compares its similarity to its nearest anchor (by image,
-  then by text) across modalities: c = (fold(A, B) + fold(A', B')) / 2; clean non-anchors get
+  then by text) across modalities: c = (fold(A, B) + fold(A', B')) / 2, each fold averaged
+  over the `anchor_k` nearest anchors of its side (1: the paper's); clean non-anchors get
   clean_floor + (1 - clean_floor) c, noisy pairs c; BiCro* sets labels <= theta to 0.
   `soft_label` is BiCro*, the `bicro` column the raw label, the anchor-key columns name the
   anchors a* (by image) and b* (by text).
@@ -21,7 +22,7 @@ import numpy as np
 from pipeline.core.labels.arrays import check_rows as _check_rows
 from pipeline.core.labels.arrays import rowdot as _rowdot
 from pipeline.core.labels.base import INDEX_ROLES, IndexRole, ShardInputs, ShardLabels
-from pipeline.core.neighbours import NeighbourSearch, neighbour_rows, top1
+from pipeline.core.neighbours import NeighbourSearch, nearest, neighbour_rows
 from pipeline.core.partition import (
     CLEAN,
     NOISY,
@@ -34,12 +35,14 @@ from pipeline.core.partition import (
 __all__ = [
     "bicro_in_batch_anchors",
     "bicro_labels",
+    "consistency_ratios",
     "decide",
     "fold",
     "fused_labels",
     "index_role",
     "label_shard",
     "quality_scores",
+    "step_labels",
 ]
 
 # Distances below this are floored (BiCro's Euclidean path clamps d^2 at 1e-4).
@@ -123,17 +126,52 @@ def bicro_labels(
         dict of (Q,) float32: "bicro" (raw label), "bicro_star" (in {0} or (theta, 1]),
         "r_i2t", "r_t2i" (NaN for anchors, which are not queried).
     """
+    r_i2t, r_t2i = consistency_ratios(
+        u, v, anchor_u_nn, anchor_v_of_u_nn, anchor_v_nn, anchor_u_of_v_nn, ratio=ratio, eps=eps
+    )
+    return step_labels(r_i2t, r_t2i, is_anchor, is_clean, clean_floor=clean_floor, theta=theta)
+
+
+def consistency_ratios(
+    u: np.ndarray,
+    v: np.ndarray,
+    anchor_u_nn: np.ndarray,
+    anchor_v_of_u_nn: np.ndarray,
+    anchor_v_nn: np.ndarray,
+    anchor_u_of_v_nn: np.ndarray,
+    *,
+    ratio: str = "similarity",
+    eps: float = 1e-6,
+) -> tuple[np.ndarray, np.ndarray]:
+    """BiCro's two consistency ratios of pairs against one anchor per side (arguments as in
+    `bicro_labels`): r_i2t = fold(u.u_a*, v.v_a*), r_t2i = fold(v.v_b*, u.u_b*), (Q,) float64."""
     u = np.asarray(u)
     rows = u.shape[0]
     v = _check_rows("v", v, rows)
-    is_anchor = _check_rows("is_anchor", np.asarray(is_anchor, dtype=bool), rows)
-    is_clean = _check_rows("is_clean", np.asarray(is_clean, dtype=bool), rows)
     image_a = _rowdot(u, _check_rows("anchor_u_nn", anchor_u_nn, rows))
     image_b = _rowdot(v, _check_rows("anchor_v_of_u_nn", anchor_v_of_u_nn, rows))
     text_a = _rowdot(v, _check_rows("anchor_v_nn", anchor_v_nn, rows))
     text_b = _rowdot(u, _check_rows("anchor_u_of_v_nn", anchor_u_of_v_nn, rows))
-    r_i2t = _ratio(image_a, image_b, ratio, eps)
-    r_t2i = _ratio(text_a, text_b, ratio, eps)
+    return _ratio(image_a, image_b, ratio, eps), _ratio(text_a, text_b, ratio, eps)
+
+
+def step_labels(
+    r_i2t: np.ndarray,
+    r_t2i: np.ndarray,
+    is_anchor: np.ndarray,
+    is_clean: np.ndarray,
+    *,
+    clean_floor: float = 0.5,
+    theta: float = 0.5,
+) -> dict[str, np.ndarray]:
+    """BiCro's step label from the two ratios: c = (r_i2t + r_t2i) / 2; anchors 1, clean
+    non-anchors clean_floor + (1 - clean_floor) c, noisy pairs c; BiCro* cuts <= theta to 0.
+    Returns `bicro_labels`'s dict."""
+    rows = np.shape(r_i2t)[0]
+    is_anchor = _check_rows("is_anchor", np.asarray(is_anchor, dtype=bool), rows)
+    is_clean = _check_rows("is_clean", np.asarray(is_clean, dtype=bool), rows)
+    r_i2t = np.asarray(r_i2t, dtype=np.float64)
+    r_t2i = _check_rows("r_t2i", np.asarray(r_t2i, dtype=np.float64), rows)
     consistency = 0.5 * (r_i2t + r_t2i)
     label = np.where(is_clean, clean_floor + (1.0 - clean_floor) * consistency, consistency)
     label = np.where(is_anchor, 1.0, label)
@@ -279,31 +317,55 @@ def index_role(params) -> IndexRole | None:
 
 def _global_anchor_labels(inputs: ShardInputs, neighbours: NeighbourSearch, params) -> ShardLabels:
     u, v, masks = inputs.u, inputs.v, inputs.masks
-    n, dim = u.shape
+    n, k = u.shape[0], params.anchor_k
     queries = np.flatnonzero(~masks.anchor & inputs.finite)
-    image_nn = np.full(n, -1, dtype=np.int64)
-    text_nn = np.full(n, -1, dtype=np.int64)
-    image_nn[queries] = top1(neighbours, "image", u[queries], inputs.query_batch)
-    text_nn[queries] = top1(neighbours, "text", v[queries], inputs.query_batch)
-    by_image = neighbour_rows(neighbours, image_nn, ("u", "v", "keys"), dim)
-    by_text = neighbour_rows(neighbours, text_nn, ("u", "v", "keys"), dim)
-    labels = bicro_labels(
-        u,
-        v,
-        by_image["u"],
-        by_image["v"],
-        by_text["v"],
-        by_text["u"],
+    image_nn = np.full((n, k), -1, dtype=np.int64)
+    text_nn = np.full((n, k), -1, dtype=np.int64)
+    image_nn[queries] = nearest(neighbours, "image", u[queries], k, inputs.query_batch)
+    text_nn[queries] = nearest(neighbours, "text", v[queries], k, inputs.query_batch)
+    r_i2t, r_t2i, keys = _mean_anchor_ratios(u, v, neighbours, image_nn, text_nn, params.ratio)
+    labels = step_labels(
+        r_i2t,
+        r_t2i,
         masks.anchor,
         masks.clean,
         clean_floor=params.clean_floor,
         theta=params.theta,
-        ratio=params.ratio,
     )
-    no_anchor = (image_nn < 0) & ~masks.anchor  # empty anchor set: nothing to compare with
+    no_anchor = (image_nn[:, 0] < 0) & ~masks.anchor  # empty anchor set: nothing to compare with
     out = _shard_labels(inputs, labels, no_anchor, params)
-    out.image_anchor_key, out.text_anchor_key = by_image["keys"], by_text["keys"]
+    out.image_anchor_key, out.text_anchor_key = keys
     return out
+
+
+def _mean_anchor_ratios(u, v, neighbours, image_nn, text_nn, ratio: str):
+    """r_i2t and r_t2i averaged over each pair's k nearest anchors by image and by text
+    (`labels.bicro.anchor_k`; k = 1 is BiCro's single nearest anchor), NaN where a side has
+    none; and the keys of the nearest anchor of each side (the anchor-key columns)."""
+    n, dim = u.shape
+    sums = {"i2t": np.zeros(n), "t2i": np.zeros(n)}
+    counts = {"i2t": np.zeros(n), "t2i": np.zeros(n)}
+    keys = None
+    for j in range(image_nn.shape[1]):
+        fields = ("u", "v", "keys") if j == 0 else ("u", "v")
+        by_image = neighbour_rows(neighbours, image_nn[:, j], fields, dim)
+        by_text = neighbour_rows(neighbours, text_nn[:, j], fields, dim)
+        if j == 0:
+            keys = (by_image["keys"], by_text["keys"])
+        r_i2t, r_t2i = consistency_ratios(
+            u, v, by_image["u"], by_image["v"], by_text["v"], by_text["u"], ratio=ratio
+        )
+        for side, values, found in (
+            ("i2t", r_i2t, image_nn[:, j] >= 0),
+            ("t2i", r_t2i, text_nn[:, j] >= 0),
+        ):
+            sums[side] += np.where(found, values, 0.0)
+            counts[side] += found
+    mean = {
+        side: np.divide(sums[side], counts[side], out=np.full(n, np.nan), where=counts[side] > 0)
+        for side in sums
+    }
+    return mean["i2t"], mean["t2i"], keys
 
 
 def fused_labels(
