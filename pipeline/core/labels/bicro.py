@@ -127,44 +127,35 @@ def bicro_labels(
         "r_i2t", "r_t2i" (NaN for anchors, which are not queried).
     """
     r_i2t, r_t2i = consistency_ratios(
-        u, v, anchor_u_nn, anchor_v_of_u_nn, anchor_v_nn, anchor_u_of_v_nn, ratio=ratio, eps=eps
+        u,
+        v,
+        (anchor_u_nn, anchor_v_of_u_nn),
+        (anchor_u_of_v_nn, anchor_v_nn),
+        ratio=ratio,
+        eps=eps,
     )
     return step_labels(r_i2t, r_t2i, is_anchor, is_clean, clean_floor=clean_floor, theta=theta)
 
 
 def consistency_ratios(
-    u: np.ndarray,
-    v: np.ndarray,
-    anchor_u_nn: np.ndarray,
-    anchor_v_of_u_nn: np.ndarray,
-    anchor_v_nn: np.ndarray,
-    anchor_u_of_v_nn: np.ndarray,
-    *,
-    ratio: str = "similarity",
-    eps: float = 1e-6,
+    u: np.ndarray, v: np.ndarray, by_image: tuple, by_text: tuple, *, ratio="similarity", eps=1e-6
 ) -> tuple[np.ndarray, np.ndarray]:
-    """BiCro's two consistency ratios of pairs against one anchor per side (arguments as in
-    `bicro_labels`): r_i2t = fold(u.u_a*, v.v_a*), r_t2i = fold(v.v_b*, u.u_b*), (Q,) float64."""
+    """BiCro's two consistency ratios of pairs against one anchor per side, (Q,) float64:
+    r_i2t = fold(u.u_a*, v.v_a*) with by_image = (u_a*, v_a*) of the nearest anchor by image,
+    r_t2i = fold(v.v_b*, u.u_b*) with by_text = (u_b*, v_b*) of the nearest anchor by text."""
     u = np.asarray(u)
     rows = u.shape[0]
     v = _check_rows("v", v, rows)
-    image_a = _rowdot(u, _check_rows("anchor_u_nn", anchor_u_nn, rows))
-    image_b = _rowdot(v, _check_rows("anchor_v_of_u_nn", anchor_v_of_u_nn, rows))
-    text_a = _rowdot(v, _check_rows("anchor_v_nn", anchor_v_nn, rows))
-    text_b = _rowdot(u, _check_rows("anchor_u_of_v_nn", anchor_u_of_v_nn, rows))
+    (image_u, image_v), (text_u, text_v) = by_image, by_text
+    image_a = _rowdot(u, _check_rows("anchor_u_nn", image_u, rows))
+    image_b = _rowdot(v, _check_rows("anchor_v_of_u_nn", image_v, rows))
+    text_a = _rowdot(v, _check_rows("anchor_v_nn", text_v, rows))
+    text_b = _rowdot(u, _check_rows("anchor_u_of_v_nn", text_u, rows))
     return _ratio(image_a, image_b, ratio, eps), _ratio(text_a, text_b, ratio, eps)
 
 
-def step_labels(
-    r_i2t: np.ndarray,
-    r_t2i: np.ndarray,
-    is_anchor: np.ndarray,
-    is_clean: np.ndarray,
-    *,
-    clean_floor: float = 0.5,
-    theta: float = 0.5,
-) -> dict[str, np.ndarray]:
-    """BiCro's step label from the two ratios: c = (r_i2t + r_t2i) / 2; anchors 1, clean
+def step_labels(r_i2t, r_t2i, is_anchor, is_clean, *, clean_floor=0.5, theta=0.5) -> dict:
+    """BiCro's step label from the two (Q,) ratios: c = (r_i2t + r_t2i) / 2; anchors 1, clean
     non-anchors clean_floor + (1 - clean_floor) c, noisy pairs c; BiCro* cuts <= theta to 0.
     Returns `bicro_labels`'s dict."""
     rows = np.shape(r_i2t)[0]
@@ -353,7 +344,7 @@ def _mean_anchor_ratios(u, v, neighbours, image_nn, text_nn, ratio: str):
         if j == 0:
             keys = (by_image["keys"], by_text["keys"])
         r_i2t, r_t2i = consistency_ratios(
-            u, v, by_image["u"], by_image["v"], by_text["v"], by_text["u"], ratio=ratio
+            u, v, (by_image["u"], by_image["v"]), (by_text["u"], by_text["v"]), ratio=ratio
         )
         for side, values, found in (
             ("i2t", r_i2t, image_nn[:, j] >= 0),
