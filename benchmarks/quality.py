@@ -11,6 +11,8 @@ Ablations (BENCHMARKS.md):
   global_vs_in_batch   BiCro with global (FAISS) anchors vs the reference's per-batch anchors;
   bicro_step_vs_fused  BiCro's step label (BiCro*) vs the fused p + (1 - p) c;
   bicro_nearest_vs_k_anchors  BiCro's consistency over its nearest anchor vs the mean over 5;
+  loss_permutations    per-sample losses from one batching vs averaged over 8 (the GMM
+                       posterior, BiCro's GMM clean split and RCR, re-embedded);
   label_pass_overhead  label pass (fit + index + labels, bicro) time / embed pass time.
 
 Which model labels matters: the packaged `ncl-tiny` with random weights is untrained, so its
@@ -143,9 +145,13 @@ def run_noise_level(noise: float, args, workdir: Path, pretrained: str | None) -
     truth_table = pq.read_table(corpus / "ground_truth.parquet", columns=["key", "kind"])
     truth = dict(zip(truth_table["key"].to_pylist(), truth_table["kind"].to_pylist(), strict=True))
 
-    def label(name: str, mixture_kind: str | None = None, **labels) -> dict:
+    def label(name: str, mixture_kind: str | None = None, on=None, **labels) -> dict:
         base = LabelSpec.from_job(
-            job, round_index=0, view="a", shard_paths=paths, out_dir=f"{layout.output}/{name}"
+            on or job,
+            round_index=0,
+            view="a",
+            shard_paths=paths,
+            out_dir=f"{RunLayout((on or job).output).output}/{name}",
         )
         spec = base.with_labels(**labels)
         if mixture_kind:
@@ -228,6 +234,34 @@ def run_noise_level(noise: float, args, workdir: Path, pretrained: str | None) -
         nearest_spearman=nearest_q["spearman"],
         k_spearman=k_q["spearman"],
         cosine_auroc=runs["bicro"]["quality"]["cosine"]["auroc"],
+    )
+    # The same model and corpus with losses averaged over 8 batch permutations (§1.1).
+    permuted = load_job(
+        _job(
+            folder / "loss_permutations",
+            corpus,
+            shards,
+            pretrained,
+            embed={"loss_permutations": 8},
+            ray={"num_cpus": args.num_cpus},
+        )
+    )
+    run_job(permuted)
+    rcr_p = label("labels_rcr", method="rcr", on=permuted)["quality"]
+    bicro_p = label("labels_bicro_gmm", method="bicro", mixture_kind="gmm", on=permuted)["quality"]
+    emit(
+        "ablation_loss_permutations",
+        **common,
+        permutations=8,
+        gmm_posterior_auroc=[
+            gmm["quality"]["gmm_posterior"]["auroc"],
+            bicro_p["gmm_posterior"]["auroc"],
+        ],
+        gmm_clean_precision=[gmm["quality"]["bicro"]["precision"], bicro_p["bicro"]["precision"]],
+        rcr_auroc=[rcr["rcr"]["auroc"], rcr_p["rcr"]["auroc"]],
+        rcr_spearman=[rcr["rcr"]["spearman"], rcr_p["rcr"]["spearman"]],
+        rcr_precision=[rcr["rcr"]["precision"], rcr_p["rcr"]["precision"]],
+        note="[one batching, 8 permutations]",
     )
     label_seconds = runs["bicro"]["seconds"]["total"]
     emit(

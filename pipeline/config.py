@@ -91,6 +91,13 @@ class EmbedConfig(_Section):
     batch_size: int = Field(
         256, ge=2, description="Fixed loss batch b (docs/methods.md §1.1): negatives per sample."
     )
+    loss_permutations: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Per-sample losses averaged over this many seeded batch permutations "
+        "(docs/methods.md §1.1): less noisy losses for the mixtures; the model runs once.",
+    )
     gpus_per_worker: float = Field(
         1.0, ge=0, description="GPUs per embed actor when the cluster has GPUs (ignored on CPU)."
     )

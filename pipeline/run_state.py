@@ -62,7 +62,7 @@ _OPTIMISER = (
 # (embed concurrency, CPUs, GPUs, index shards, torch threads, checkpoint cadence, Ray) are
 # left out on purpose: changing them reuses everything.
 DEPENDS_ON: dict[str, tuple[str, ...]] = {
-    "embed": (*_DECODE, "model", "embed.batch_size", "seed"),
+    "embed": (*_DECODE, "model", "embed.batch_size", "embed.loss_permutations", "seed"),
     "keys": (),
     "warmup": (
         *_DECODE,

@@ -10,7 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.core.losses import fixed_size_loss_batches, infonce_per_sample, triplet_per_sample
+from pipeline.core.losses import (
+    batched_losses,
+    fixed_size_loss_batches,
+    infonce_per_sample,
+    triplet_per_sample,
+)
 
 
 def _unit(rows: int, dim: int, seed: int) -> torch.Tensor:
@@ -120,3 +125,36 @@ def test_fixed_size_batches_are_seeded():
 @pytest.mark.parametrize("n", [0])
 def test_fixed_size_batches_empty(n):
     assert fixed_size_loss_batches(n, 8, np.random.default_rng(0)) == []
+
+
+def test_batched_losses_average_the_batchings():
+    """One batching gives each row its batch's own losses; several give their mean, and the
+    mean over many permutations varies less than one batching does (what it is for)."""
+    n, b, scale = 70, 16, 20.0
+    u, v = _unit(n, 8, 0).float(), _unit(n, 8, 1).float()
+    rng = np.random.default_rng(0)
+    batchings = [fixed_size_loss_batches(n, b, rng) for _ in range(3)]
+    single = [batched_losses(u, v, scale, [batching]) for batching in batchings]
+    for batching, out in zip(batchings, single, strict=True):
+        for batch_index, (indices, n_scored) in enumerate(batching):
+            i2t, t2i = infonce_per_sample(u[indices], v[indices], scale)
+            rows = indices[:n_scored]
+            np.testing.assert_array_equal(out["i2t"][rows], i2t[:n_scored].numpy())
+            np.testing.assert_array_equal(out["t2i"][rows], t2i[:n_scored].numpy())
+            assert np.all(out["batch"][rows] == batch_index)
+    averaged = batched_losses(u, v, scale, batchings)
+    for name in ("i2t", "t2i", "triplet"):
+        expected = np.mean([out[name] for out in single], axis=0)
+        np.testing.assert_allclose(averaged[name], expected, rtol=1e-6)
+    np.testing.assert_array_equal(averaged["batch"], single[0]["batch"])
+
+    def spread(permutations: int) -> float:  # between two independent draws of the loss
+        draws = [
+            batched_losses(
+                u, v, scale, [fixed_size_loss_batches(n, b, rng) for _ in range(permutations)]
+            )["i2t"]
+            for _ in range(2)
+        ]
+        return float(np.std(draws[0] - draws[1]))
+
+    assert spread(16) < 0.5 * spread(1)

@@ -35,6 +35,7 @@ def test_each_stage_hashes_exactly_the_keys_it_depends_on():
     job = _job()
     embed = stage_config(job, "embed")
     assert "embed.batch_size" in embed and "model.name" in embed and "seed" in embed
+    assert "embed.loss_permutations" in embed  # the losses, hence every later stage, change
     # Resources and the shard list (decided per shard) are not part of an embed key.
     assert not {"embed.concurrency", "embed.decode_threads", "input.shards"} & set(embed)
     warmup = stage_config(job, "warmup")

@@ -9,15 +9,20 @@ Contract:
 - `fixed_size_loss_batches` is the batching rule of docs/methods.md §1.1: a seeded permutation cut
   into batches of exactly b, the remainder batch filled with other samples whose losses are
   discarded, so every loss sees the same number of negatives.
+- `batched_losses` scores a shard's pairs on such batches, averaged over several batchings
+  (`embed.loss_permutations`): each pair's in-batch loss then depends less on which b - 1
+  negatives it happened to meet.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pipeline.core.batching import fixed_size_loss_batches
 
 __all__ = [
+    "batched_losses",
     "infonce_per_sample",
     "triplet_per_sample",
     "fixed_size_loss_batches",
@@ -65,3 +70,42 @@ def triplet_per_sample(
     cost_t2i = (margin - positive[None, :] + scores).clamp(min=0) * off_diagonal
     batch = scores.shape[0]
     return cost_i2t.sum(dim=1) / batch + cost_t2i.sum(dim=0) / batch
+
+
+def batched_losses(
+    image_emb: torch.Tensor, text_emb: torch.Tensor, logit_scale: float, batchings: list
+) -> dict[str, np.ndarray]:
+    """Per-sample InfoNCE (both directions) and triplet losses on fixed-size batches, each
+    the mean over `batchings` (docs/methods.md §1.1; filler rows are scored but discarded).
+
+    Args:
+        image_emb, text_emb: (N, D) L2-normalised float32 embeddings; row i is pair i.
+        logit_scale: the model's 1/tau.
+        batchings: one or more `fixed_size_loss_batches` results over the N rows (one per
+            seeded permutation); one batching gives exactly its batch's losses.
+
+    Returns:
+        "i2t", "t2i", "triplet": (N,) float32 (NaN for a row no batch scored); "batch": (N,)
+        int32, each row's batch in the first batching (-1: none).
+    """
+    n = image_emb.shape[0]
+    sums = {name: np.zeros(n) for name in ("i2t", "t2i", "triplet")}
+    counts = np.zeros(n)
+    batch_ids = np.full(n, -1, dtype=np.int32)
+    for number, batches in enumerate(batchings):
+        for batch_index, (indices, n_scored) in enumerate(batches):
+            idx = torch.as_tensor(indices)
+            scored = indices[:n_scored]
+            loss_i2t, loss_t2i = infonce_per_sample(image_emb[idx], text_emb[idx], logit_scale)
+            triplet = triplet_per_sample(image_emb[idx], text_emb[idx])
+            for name, values in (("i2t", loss_i2t), ("t2i", loss_t2i), ("triplet", triplet)):
+                sums[name][scored] += values[:n_scored].numpy()
+            counts[scored] += 1
+            if number == 0:
+                batch_ids[scored] = batch_index
+    out = {
+        name: np.divide(total, counts, out=np.full(n, np.nan), where=counts > 0).astype(np.float32)
+        for name, total in sums.items()
+    }
+    out["batch"] = batch_ids
+    return out

@@ -42,7 +42,7 @@ import pyarrow as pa
 import torch
 
 from pipeline.config import EmbedConfig
-from pipeline.core.losses import fixed_size_loss_batches, infonce_per_sample, triplet_per_sample
+from pipeline.core.losses import batched_losses, fixed_size_loss_batches
 from pipeline.devices import granted_device
 from pipeline.io.admitted import (
     SHARD_BYTES_KEY,
@@ -176,26 +176,6 @@ def _embed_decoded(futures, buffers: _ShardBuffers, models: dict[str, LoadedClip
         buffers.text_embeddings.setdefault(view, []).append(text_emb.cpu())
 
 
-def _losses(
-    image_emb: torch.Tensor, text_emb: torch.Tensor, logit_scale: float, batches
-) -> dict[str, np.ndarray]:
-    """Per-sample losses on the fixed-size batches (filler rows scored but discarded)."""
-    n = image_emb.shape[0]
-    out = {name: np.full(n, np.nan, dtype=np.float32) for name in ("i2t", "t2i", "triplet")}
-    batch_ids = np.full(n, -1, dtype=np.int32)
-    for batch_index, (indices, n_scored) in enumerate(batches):
-        idx = torch.as_tensor(indices)
-        scored = indices[:n_scored]
-        loss_i2t, loss_t2i = infonce_per_sample(image_emb[idx], text_emb[idx], logit_scale)
-        triplet = triplet_per_sample(image_emb[idx], text_emb[idx])
-        out["i2t"][scored] = loss_i2t[:n_scored].numpy()
-        out["t2i"][scored] = loss_t2i[:n_scored].numpy()
-        out["triplet"][scored] = triplet[:n_scored].numpy()
-        batch_ids[scored] = batch_index
-    out["batch"] = batch_ids
-    return out
-
-
 def _fixed_list(matrix: np.ndarray) -> pa.FixedSizeListArray:
     flat = pa.array(matrix.astype(np.float16).reshape(-1), type=pa.float16())
     return pa.FixedSizeListArray.from_arrays(flat, matrix.shape[1])
@@ -310,7 +290,10 @@ def _write_embeddings(
 ) -> None:
     n = len(buffers.keys)
     rng = np.random.default_rng([spec.seed, spec.round_index, zlib.crc32(shard.encode())])
-    batches = fixed_size_loss_batches(n, spec.embed.batch_size, rng)
+    batchings = [
+        fixed_size_loss_batches(n, spec.embed.batch_size, rng)
+        for _ in range(spec.embed.loss_permutations)
+    ]
     columns: dict[str, object] = {
         "key": buffers.keys,
         "shard": [shard] * n,
@@ -323,6 +306,7 @@ def _write_embeddings(
         "ncl.schema": "embeddings.v1",
         "ncl.round": str(spec.round_index),
         "ncl.batch_size": str(spec.embed.batch_size),
+        "ncl.loss_permutations": str(spec.embed.loss_permutations),
         "ncl.seed": str(spec.seed),
     }
     if shard in spec.shard_keys:
@@ -340,7 +324,7 @@ def _write_embeddings(
         else:
             image_emb = torch.zeros((0, dim))
             text_emb = torch.zeros((0, dim))
-        losses = _losses(image_emb, text_emb, logit_scale, batches)
+        losses = batched_losses(image_emb, text_emb, logit_scale, batchings)
         batch_ids = losses["batch"]
         columns[f"image_embedding_{view}"] = _fixed_list(image_emb.numpy())
         columns[f"text_embedding_{view}"] = _fixed_list(text_emb.numpy())
