@@ -236,6 +236,7 @@ def run_noise_level(noise: float, args, workdir: Path, pretrained: str | None) -
         cosine_auroc=runs["bicro"]["quality"]["cosine"]["auroc"],
     )
     # The same model and corpus with losses averaged over 8 batch permutations (§1.1).
+    (folder / "loss_permutations").mkdir(exist_ok=True)
     permuted = load_job(
         _job(
             folder / "loss_permutations",
