@@ -68,10 +68,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         apply_loopback_defaults()
     import ray
 
-    from pipeline.console import quiet_ray
+    from pipeline.console import filter_stderr, quiet_ray
 
     if ray.is_initialized():
         return "existing Ray session"
+    filter_stderr()  # ray.init prints notices (the token-auth one) while it starts
     if address:
         ray.init(
             address=address,

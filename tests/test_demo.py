@@ -79,6 +79,7 @@ def test_demo_job_runs_from_the_cli(tmp_path):
         "PlacementGroupCleaner",
         "Progress bars disabled",
         "Tip: use `ray status`",
+        "Token authentication is enabled",
         "training worker group",
         "Traceback",
     ):
