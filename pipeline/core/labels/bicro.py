@@ -332,31 +332,28 @@ def _global_anchor_labels(inputs: ShardInputs, neighbours: NeighbourSearch, para
 def _mean_anchor_ratios(u, v, neighbours, image_nn, text_nn, ratio: str):
     """r_i2t and r_t2i averaged over each pair's k nearest anchors by image and by text
     (`labels.bicro.anchor_k`; k = 1 is BiCro's single nearest anchor), NaN where a side has
-    none; and the keys of the nearest anchor of each side (the anchor-key columns)."""
+    none; and the keys of the nearest anchor of each side (the anchor-key columns). One lookup
+    per side fetches all k anchors' rows."""
     n, dim = u.shape
-    sums = {"i2t": np.zeros(n), "t2i": np.zeros(n)}
-    counts = {"i2t": np.zeros(n), "t2i": np.zeros(n)}
-    keys = None
-    for j in range(image_nn.shape[1]):
-        fields = ("u", "v", "keys") if j == 0 else ("u", "v")
-        by_image = neighbour_rows(neighbours, image_nn[:, j], fields, dim)
-        by_text = neighbour_rows(neighbours, text_nn[:, j], fields, dim)
-        if j == 0:
-            keys = (by_image["keys"], by_text["keys"])
-        r_i2t, r_t2i = consistency_ratios(
-            u, v, (by_image["u"], by_image["v"]), (by_text["u"], by_text["v"]), ratio=ratio
-        )
-        for side, values, found in (
-            ("i2t", r_i2t, image_nn[:, j] >= 0),
-            ("t2i", r_t2i, text_nn[:, j] >= 0),
-        ):
-            sums[side] += np.where(found, values, 0.0)
-            counts[side] += found
-    mean = {
-        side: np.divide(sums[side], counts[side], out=np.full(n, np.nan), where=counts[side] > 0)
-        for side in sums
-    }
-    return mean["i2t"], mean["t2i"], keys
+    k = image_nn.shape[1]
+    fields = ("u", "v", "keys")
+    by_image = neighbour_rows(neighbours, image_nn.reshape(-1), fields, dim)
+    by_text = neighbour_rows(neighbours, text_nn.reshape(-1), fields, dim)
+    r_i2t, r_t2i = consistency_ratios(
+        np.repeat(u, k, axis=0),
+        np.repeat(v, k, axis=0),
+        (by_image["u"], by_image["v"]),
+        (by_text["u"], by_text["v"]),
+        ratio=ratio,
+    )
+    mean = []
+    for values, nn in ((r_i2t, image_nn), (r_t2i, text_nn)):
+        found = nn >= 0
+        total = np.where(found, values.reshape(n, k), 0.0).sum(axis=1)
+        count = found.sum(axis=1)
+        mean.append(np.divide(total, count, out=np.full(n, np.nan), where=count > 0))
+    keys = (by_image["keys"].reshape(n, k)[:, 0], by_text["keys"].reshape(n, k)[:, 0])
+    return mean[0], mean[1], keys
 
 
 def fused_labels(
