@@ -11,6 +11,8 @@ Ablations (BENCHMARKS.md):
   global_vs_in_batch   BiCro with global (FAISS) anchors vs the reference's per-batch anchors;
   bicro_step_vs_fused  BiCro's step label (BiCro*) vs the fused p + (1 - p) c;
   bicro_nearest_vs_k_anchors  BiCro's consistency over its nearest anchor vs the mean over 5;
+  both_directions      BiCro and SPS partitioned on the summed loss's GMM vs on the smaller of
+                       the i2t and t2i GMM posteriors (`labels.posterior`);
   loss_permutations    per-sample losses from one batching vs averaged over 8 (the GMM
                        posterior, BiCro's GMM clean split and RCR, re-embedded);
   label_pass_overhead  label pass (fit + index + labels, bicro) time / embed pass time.
@@ -235,6 +237,29 @@ def run_noise_level(noise: float, args, workdir: Path, pretrained: str | None) -
         k_spearman=k_q["spearman"],
         cosine_auroc=runs["bicro"]["quality"]["cosine"]["auroc"],
     )
+    # The clean posterior from both directions' GMMs (min) instead of the summed loss's mixture.
+    for method, base in (("bicro", gmm), ("sps", runs["sps"])):
+        both = label(
+            f"labels_{method}_both",
+            method=method,
+            mixture_kind="gmm",
+            posterior="both_directions",
+        )
+        summed_q, both_q = base["quality"][method], both["quality"][method]
+        emit(
+            "ablation_both_directions",
+            method=method,
+            **common,
+            summed_auroc=summed_q["auroc"],
+            both_auroc=both_q["auroc"],
+            summed_spearman=summed_q["spearman"],
+            both_spearman=both_q["spearman"],
+            summed_clean_precision=summed_q["precision"],
+            both_clean_precision=both_q["precision"],
+            summed_clean_recall=summed_q["recall"],
+            both_clean_recall=both_q["recall"],
+            cosine_auroc=base["quality"]["cosine"]["auroc"],
+        )
     # The same model and corpus with losses averaged over 8 batch permutations (§1.1).
     (folder / "loss_permutations").mkdir(exist_ok=True)
     permuted = load_job(

@@ -200,6 +200,13 @@ class LabelsConfig(_Section):
         "infonce_sum",
         description="Loss the mixture is fitted on: InfoNCE i2t + t2i (CLIP) or BiCro's triplet.",
     )
+    posterior: Literal["summed_loss", "both_directions"] = Field(
+        "summed_loss",
+        description="Clean posterior that partitions (clean/noisy, SPS subsets, BiCro anchors, "
+        "clean_prob): the mixture on the summed loss, or both_directions = the smaller of the "
+        "GMM posteriors fitted on i2t and on t2i alone (clean only if clean both ways, as RCR's "
+        "set C).",
+    )
     bicro: BicroLabelsConfig = BicroLabelsConfig()
     rcr: RcrLabelsConfig = RcrLabelsConfig()
     sps: SpsLabelsConfig = SpsLabelsConfig()

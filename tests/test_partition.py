@@ -325,3 +325,58 @@ def test_decisions_over_shards_equal_brute_force(case, fetch_limit):
     if not in_c.any():
         in_c[_lowest(-np.minimum(alpha_i2t, alpha_t2i), both, max(1, both.sum() // 100))] = True
     np.testing.assert_array_equal(masks["in_c"], in_c)
+
+
+def _fits(losses: dict[str, np.ndarray]) -> dict:
+    """The label pass's fits (pipeline.stages.labels.driver._fit_mixtures) on in-memory losses."""
+    from pipeline.core.mixture import build_histogram, fit_bmm, fit_gmm, histogram_range
+
+    hist = {name: build_histogram(v, *histogram_range(v)) for name, v in losses.items()}
+    return {
+        "bmm": fit_bmm(hist["loss"]),
+        "gmm": fit_gmm(hist["loss"]),
+        "gmm_i2t": fit_gmm(hist["i2t"]),
+        "gmm_t2i": fit_gmm(hist["t2i"]),
+    }
+
+
+@pytest.mark.parametrize("method", ["bicro", "sps", "cosine"])
+def test_both_directions_posterior_drops_pairs_clean_one_way_only(method):
+    """`labels.posterior: both_directions`: a pair whose summed loss looks clean but whose
+    text->image loss is noisy (the caption matches many images) is not clean; pairs clean
+    both ways stay clean."""
+    from pipeline.config import LabelsConfig
+    from pipeline.core.partition import ShardScalars
+    from pipeline.stages.labels import LabelSpec
+    from pipeline.stages.labels.shard_tasks import add_posteriors
+
+    rng = np.random.default_rng(0)
+    n_clean, n_noisy, n_one_way = 300, 200, 60
+    i2t = np.concatenate(
+        [rng.normal(1.0, 0.15, n_clean), rng.normal(4.0, 0.15, n_noisy), np.full(n_one_way, 0.2)]
+    ).astype(np.float32)
+    t2i = np.concatenate(
+        [rng.normal(1.0, 0.15, n_clean), rng.normal(4.0, 0.15, n_noisy), np.full(n_one_way, 3.4)]
+    ).astype(np.float32)
+    one_way = np.arange(n_clean + n_noisy, i2t.size)
+    fits = _fits({"loss": i2t + t2i, "i2t": i2t, "t2i": t2i})
+
+    def posterior(choice: str) -> ShardScalars:
+        spec = LabelSpec(
+            output="unused",
+            round_index=0,
+            view="a",
+            shards=("00000",),
+            out_dir="unused",
+            labels=LabelsConfig(method=method, posterior=choice),
+        )
+        scalars = ShardScalars(ids=np.arange(i2t.size), loss=i2t + t2i, loss_i2t=i2t, loss_t2i=t2i)
+        add_posteriors(spec, scalars, fits)
+        return scalars
+
+    summed, both = posterior("summed_loss"), posterior("both_directions")
+    assert (summed.prob[one_way] > 0.5).all()  # the summed loss calls them clean
+    np.testing.assert_array_equal(both.prob, np.minimum(both.alpha_i2t, both.alpha_t2i))
+    assert (both.prob[one_way] < 0.5).all()
+    assert (both.prob[:n_clean] > 0.5).all()
+    assert (both.prob[n_clean : n_clean + n_noisy] < 0.5).all()

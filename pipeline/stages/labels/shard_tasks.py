@@ -75,11 +75,17 @@ def _scalars(spec: LabelSpec, table: pa.Table, offset: int) -> ShardScalars:
 
 
 def add_posteriors(spec: LabelSpec, scalars: ShardScalars, fits: dict[str, MixtureFit]) -> None:
-    """The configured mixture's clean posterior (and RCR's per-direction ones)."""
-    scalars.prob = clean_posterior(fits[spec.mixture_kind], scalars.loss)
-    if spec.method.direction_posteriors:
+    """The clean posterior that partitions, and the per-direction ones where they are used
+    (RCR's set C; `labels.posterior: both_directions`)."""
+    both = spec.labels.posterior == "both_directions"
+    if spec.method.direction_posteriors or both:
         scalars.alpha_i2t = clean_posterior(fits["gmm_i2t"], scalars.loss_i2t)
         scalars.alpha_t2i = clean_posterior(fits["gmm_t2i"], scalars.loss_t2i)
+    if both:
+        # A NaN in either direction stays NaN: such a pair is never clean.
+        scalars.prob = np.minimum(scalars.alpha_i2t, scalars.alpha_t2i)
+    else:
+        scalars.prob = clean_posterior(fits[spec.mixture_kind], scalars.loss)
 
 
 def _load_scalars(
