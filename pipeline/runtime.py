@@ -25,6 +25,9 @@ LOOPBACK_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # local-only mode: all ports bind 127.0.0.1
     "RAY_USAGE_STATS_ENABLED": "0",
     "HF_HUB_DISABLE_TELEMETRY": "1",
+    # Ray Train's controller polls its workers every 2 s by default, so a training round ended
+    # up to 2 s after its last step (measured here: 2.5 s -> 0.3 s polling every 0.2 s).
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
 }
 
 
