@@ -237,14 +237,10 @@ def run_noise_level(noise: float, args, workdir: Path, pretrained: str | None) -
         k_spearman=k_q["spearman"],
         cosine_auroc=runs["bicro"]["quality"]["cosine"]["auroc"],
     )
-    # The clean posterior from both directions' GMMs (min) instead of the summed loss's mixture.
+    # The clean posterior from both directions' GMMs (min) instead of the summed loss's GMM
+    # (mixture.kind plays no part then).
     for method, base in (("bicro", gmm), ("sps", runs["sps"])):
-        both = label(
-            f"labels_{method}_both",
-            method=method,
-            mixture_kind="gmm",
-            posterior="both_directions",
-        )
+        both = label(f"labels_{method}_both", method=method, posterior="both_directions")
         summed_q, both_q = base["quality"][method], both["quality"][method]
         emit(
             "ablation_both_directions",

@@ -329,14 +329,13 @@ def test_decisions_over_shards_equal_brute_force(case, fetch_limit):
 
 def _fits(losses: dict[str, np.ndarray]) -> dict:
     """The label pass's fits (pipeline.stages.labels.driver._fit_mixtures) on in-memory losses."""
-    from pipeline.core.mixture import build_histogram, fit_bmm, fit_gmm, histogram_range
+    from pipeline.core.mixture import fit_mixture
 
-    hist = {name: build_histogram(v, *histogram_range(v)) for name, v in losses.items()}
     return {
-        "bmm": fit_bmm(hist["loss"]),
-        "gmm": fit_gmm(hist["loss"]),
-        "gmm_i2t": fit_gmm(hist["i2t"]),
-        "gmm_t2i": fit_gmm(hist["t2i"]),
+        "bmm": fit_mixture(losses["loss"], "bmm"),
+        "gmm": fit_mixture(losses["loss"], "gmm"),
+        "gmm_i2t": fit_mixture(losses["i2t"], "gmm"),
+        "gmm_t2i": fit_mixture(losses["t2i"], "gmm"),
     }
 
 
