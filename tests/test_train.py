@@ -68,11 +68,22 @@ def test_epoch_order_is_seeded_per_view_and_epoch():
     assert sorted(epoch_shard_order(shards, 3, 2)) == list(shards)
 
 
-def test_warmup_learns_and_beats_chance_retrieval(local_ray, corpus, tmp_path):
-    summary = run_training(_spec(corpus, tmp_path))
+EPOCHS = 2  # the loss drops by 0.4-0.6 and rSum reaches ~120 (chance 32) in two epochs here
+
+
+@pytest.fixture(scope="module")
+def warmed(local_ray, corpus, tmp_path_factory) -> tuple[Path, dict]:
+    """One undisturbed warm-up: the learning test reads it, the resume test compares with it
+    (a training round costs ~20 s of Ray Train start-up here, so the two share one)."""
+    output = tmp_path_factory.mktemp("warmup")
+    return output, run_training(_spec(corpus, output, max_epochs=EPOCHS))
+
+
+def test_warmup_learns_and_beats_chance_retrieval(warmed):
+    output, summary = warmed
     for view in ("A", "B"):
         history = summary["views"][view]["history"]
-        assert len(history) == 4
+        assert len(history) == EPOCHS
         assert history[-1]["loss"] < history[0]["loss"] - 0.2, history
         assert Path(summary["views"][view]["checkpoint"]).exists()
     # Chance for 100 test pairs: R@K = K%, so rSum = 2 * (1 + 5 + 10) = 32.
@@ -80,30 +91,27 @@ def test_warmup_learns_and_beats_chance_retrieval(local_ray, corpus, tmp_path):
     assert set(retrieval) == {"A", "B", "A+B"}
     assert retrieval["A+B"]["rsum"] > 2 * 32, retrieval
     # A and B started from different seeds and saw different orders: different weights.
-    a = torch.load(RunLayout(str(tmp_path)).model_checkpoint(0, "A"), weights_only=True)
-    b = torch.load(RunLayout(str(tmp_path)).model_checkpoint(0, "B"), weights_only=True)
+    a = torch.load(RunLayout(str(output)).model_checkpoint(0, "A"), weights_only=True)
+    b = torch.load(RunLayout(str(output)).model_checkpoint(0, "B"), weights_only=True)
     assert any(not torch.equal(a[k], b[k]) for k in a)
 
 
-def test_resume_after_a_failure_mid_epoch_gives_identical_weights(local_ray, corpus, tmp_path):
+def test_resume_after_a_failure_mid_epoch_gives_identical_weights(corpus, warmed, tmp_path):
     """A run killed mid-epoch resumes from its last step checkpoint and skips the consumed
     batches; the data order is a pure function of (seed, epoch), so the result is bit-identical
     to an uninterrupted run (CPU, deterministic kernels)."""
-    base = dict(max_epochs=2, test_shards=())
-    reference = tmp_path / "reference"
-    run_training(_spec(corpus, reference, **base))
-
+    reference, _ = warmed
     resumed = tmp_path / "resumed"
     with pytest.raises(Exception, match="injected failure"):
-        run_training(_spec(corpus, resumed, fail_after_steps=5, **base))
+        run_training(_spec(corpus, resumed, max_epochs=EPOCHS, fail_after_steps=5))
     state = torch.load(RunLayout(str(resumed)).resume_state(0, "A"), weights_only=True)
     assert state["step"] == 3 and state["epoch"] == 0  # the checkpoint before the failure
     # The views' states are separate files: a worker lost between A's save and B's leaves B
     # behind. Each view must resume from its own step (B here from the start).
     Path(RunLayout(str(resumed)).resume_state(0, "B")).unlink()
-    summary = run_training(_spec(corpus, resumed, **base))
+    summary = run_training(_spec(corpus, resumed, max_epochs=EPOCHS))
 
-    assert summary["views"]["A"]["steps"] == summary["views"]["B"]["steps"] == 2 * (640 // 64)
+    assert summary["views"]["A"]["steps"] == summary["views"]["B"]["steps"] == EPOCHS * (640 // 64)
     for view in ("A", "B"):
         want = torch.load(RunLayout(str(reference)).model_checkpoint(0, view), weights_only=True)
         got = torch.load(RunLayout(str(resumed)).model_checkpoint(0, view), weights_only=True)
