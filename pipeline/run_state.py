@@ -77,6 +77,7 @@ DEPENDS_ON: dict[str, tuple[str, ...]] = {
     "labels": (
         "labels.method",
         "labels.loss",
+        "labels.posterior",
         "labels.{method}",
         "mixture",
         "index.factory",

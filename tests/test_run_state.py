@@ -55,6 +55,26 @@ def test_each_stage_hashes_exactly_the_keys_it_depends_on():
         assert stage_config(faster, kind) == stage_config(job, kind)
 
 
+def test_every_labels_setting_keys_the_label_passes():
+    """A setting of `labels` left out of the label passes' key would let a rerun publish labels
+    computed under the old value (it happened to `labels.posterior`)."""
+    from pipeline.config import LabelsConfig
+    from pipeline.core.labels import LABEL_METHODS
+
+    for method in LABEL_METHODS:
+        keyed = stage_config(_job(labels={"method": method}), "labels")
+        for name in LabelsConfig.model_fields:
+            if name in LABEL_METHODS and name != method:
+                assert not any(k.startswith(f"labels.{name}.") for k in keyed), name
+            else:
+                assert any(
+                    k == f"labels.{name}" or k.startswith(f"labels.{name}.") for k in keyed
+                ), (
+                    method,
+                    name,
+                )
+
+
 def test_stage_graph_follows_the_runner_and_train_mode():
     job = _job()
     nodes = {n.stage: n for n in stage_graph(job)}
