@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -225,7 +226,12 @@ def test_a_shard_changed_in_place_stops_training_with_one_paragraph(
     assert message.startswith("the warm-up (round 0 training) failed: ShardChangedError: shard ")
     assert "00001.tar" in message and "\n" not in message
     assert failed.value.log_path in message and Path(failed.value.log_path).exists()
+    assert "raised on a training worker" in Path(failed.value.log_path).read_text()
     assert not (tmp_path / "run" / "labels").exists()
+    # Not retried: the changed shard would fail every restart (train.max_failures is 3); the one
+    # restart Ray Train makes finds the worker's record and ends at once.
+    record = json.loads((tmp_path / "run" / "rounds/0/checkpoints/train_error.json").read_text())
+    assert record["type"] == "ShardChangedError" and record["restarts_ended"] == 1
     # Ray's own reports of the failure (a traceback per layer) stay off the terminal.
     shown = "\n".join(capfd.readouterr())
     for ray_report in ("Error in training function", "[FailurePolicy]", "Full stack trace"):

@@ -89,6 +89,12 @@ class RunLayout:
     def best_model(self, round_index: int, view: str) -> str:
         return self._join("rounds", round_index, "checkpoints", view, "best_model.pt")
 
+    def train_error(self, round_index: int) -> str:
+        """An error of the round's training that a retry cannot fix (a shard changed, an
+        unusable GPU): written by the worker that hit it, read by every retried worker group
+        and by the driver (`pipeline.stages.train.driver`)."""
+        return self._join("rounds", round_index, "checkpoints", "train_error.json")
+
     def train_summary(self, round_index: int) -> str:
         """Written last by training (the round's summary; whether the round is complete and
         current is the run state's record in manifest.json, `pipeline.run_state`)."""

@@ -8,7 +8,7 @@ import logging
 from pipeline.io.layout import RunLayout
 from pipeline.io.tables import read_json
 from pipeline.stages.train.data import steps_per_epoch
-from pipeline.stages.train.loop import train_loop
+from pipeline.stages.train.loop import NOT_RETRIED, train_loop
 from pipeline.stages.train.spec import TrainSpec
 
 __all__ = ["run_training"]
@@ -88,6 +88,23 @@ class _EpochBars:
             self.current = None
 
 
+def _forget_train_error(path: str) -> None:
+    import fsspec
+
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    if fs.exists(fs_path):
+        fs.rm(fs_path)
+
+
+def _recorded_error(record: dict) -> Exception:
+    """The worker's error (`train_loop`'s record) raised again on the driver, its worker-side
+    traceback in the message after the first line (the run's error log shows it)."""
+    kind = {cls.__name__: cls for cls in NOT_RETRIED}.get(record["type"], RuntimeError)
+    return kind(
+        f"{record['message']}\n\nraised on a training worker (not retried):\n{record['traceback']}"
+    )
+
+
 def run_training(spec: TrainSpec) -> dict:
     """Train the views of `spec` on Ray Train; a `resume.pt` left by an interrupted run of
     the same round is resumed (the driver deletes the round's checkpoints when its key changed).
@@ -116,6 +133,7 @@ def run_training(spec: TrainSpec) -> dict:
     )
     from pipeline.progress import ProgressBoard, follow_board
 
+    _forget_train_error(layout.train_error(spec.round_index))  # an earlier run's, since fixed
     board = ProgressBoard.start()
     trainer = TorchTrainer(
         train_loop,
@@ -138,6 +156,9 @@ def run_training(spec: TrainSpec) -> dict:
     finally:
         bars.close()
         ray.kill(board)
+    error = read_json(layout.train_error(spec.round_index))
+    if error is not None:  # recorded by a worker; the retried worker group ended at once
+        raise _recorded_error(error)
     summary = read_json(layout.train_summary(spec.round_index))
     if summary is None:
         raise RuntimeError(f"training of round {spec.round_index} ended without its summary")

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import time
+import traceback
 
 import torch
 
@@ -20,10 +21,13 @@ from pipeline.core.train_losses import (
     sps_consistency_losses,
     weighted_infonce,
 )
+from pipeline.devices import GpuUnusableError
+from pipeline.io.admitted import ShardChangedError
 from pipeline.io.checkpoints import load_torch, save_torch_atomic
 from pipeline.io.layout import RunLayout
-from pipeline.io.tables import write_json_atomic
+from pipeline.io.tables import read_json, write_json_atomic
 from pipeline.models import load_clip
+from pipeline.run_errors import root_cause
 from pipeline.stages.train.data import (
     TARGET_STATS,
     epoch_batches,
@@ -32,9 +36,13 @@ from pipeline.stages.train.data import (
 from pipeline.stages.train.spec import TrainSpec, ViewSpec
 from pipeline.stages.train.sync import all_have, from_rank0, sum_across
 
-__all__ = ["train_loop"]
+__all__ = ["NOT_RETRIED", "train_loop"]
 
 logger = logging.getLogger(__name__)
+
+# Errors a restarted worker group would only hit again: the shard bytes differ from what the
+# embed pass read, or the granted GPU is unusable.
+NOT_RETRIED = (ShardChangedError, GpuUnusableError)
 
 PROGRESS_REPORTS = 50  # counts sent to the driver's progress board per epoch
 
@@ -242,7 +250,40 @@ class _ViewTrainer:
 
 
 def train_loop(config: dict) -> None:
-    """Runs on every Ray Train worker."""
+    """Runs on every Ray Train worker.
+
+    Ray Train restarts the worker group after any worker error (`train.max_failures` times),
+    which resumes from `resume.pt` after a lost node but only repeats an error in the data or
+    the set-up: such an error (`NOT_RETRIED`) is recorded for the driver, and a restarted
+    worker group that finds the record ends at once instead of reaching the error again.
+    """
+    import ray.train
+
+    spec: TrainSpec = config["spec"]
+    path = RunLayout(spec.output).train_error(spec.round_index)
+    record = read_json(path)
+    if record is not None:
+        if ray.train.get_context().get_world_rank() == 0:
+            record["restarts_ended"] = record.get("restarts_ended", 0) + 1
+            write_json_atomic(record, path)
+        return
+    try:
+        _train(config)
+    except Exception as exc:
+        root = root_cause(exc)
+        if isinstance(root, NOT_RETRIED):
+            write_json_atomic(
+                {
+                    "type": type(root).__name__,
+                    "message": str(root),
+                    "traceback": traceback.format_exc(),
+                },
+                path,
+            )
+        raise
+
+
+def _train(config: dict) -> None:
     import ray.train
     import ray.train.torch
 
