@@ -216,10 +216,17 @@ class IndexConfig(_Section):
     factory: str = Field(
         "Flat",
         description="FAISS index_factory string, e.g. 'IVF65536,PQ64'; 'auto' picks by the "
-        "pass's size: Flat up to 50k pairs, IVF<4 sqrt N>,Flat up to 4M, IVF..,PQ<dim/8> beyond.",
+        "pass's size: Flat up to 50k pairs, IVF<4 sqrt N>,SQ8 up to 4M, IVF..,PQ<dim/8> beyond "
+        "(neighbours rescored exactly from the stored embeddings).",
     )
     shards: int = Field(1, ge=1, description="Index shards held by separate actors.")
     nprobe: int = Field(32, ge=1, description="IVF lists probed per query (ignored by Flat).")
+    search_threads: int = Field(
+        2,
+        ge=1,
+        description="Searches one index actor serves at once, one thread each; the label tasks "
+        "that sent them hold their CPUs while they wait. Speed only: labels do not change.",
+    )
     gpus_per_actor: float = Field(
         0.0,
         ge=0,

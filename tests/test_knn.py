@@ -14,11 +14,13 @@ from pipeline.core.knn import (
     IndexShard,
     ShardedIndex,
     build_index,
+    candidates_per_neighbour,
     canonical_topk,
     exact_scores,
     merge_topk,
     rescore,
     resolve_ngpu,
+    train_index,
 )
 from pipeline.core.neighbours import IndexStore
 
@@ -211,13 +213,33 @@ def test_auto_factory_grows_with_the_corpus_and_stays_gpu_capable(dim):
     sizes = [1_000, 50_000, 50_001, 1_000_000, 4_000_000, 12_000_000, 400_000_000]
     chosen = [auto_factory(n, dim) for n in sizes]
     assert chosen[:2] == ["Flat", "Flat"]
-    assert chosen[2].startswith("IVF") and chosen[2].endswith(",Flat")
+    assert chosen[2].startswith("IVF") and chosen[2].endswith(",SQ8")
     assert chosen[-1].split(",")[1].startswith("PQ")
     lists = [int(f.split(",")[0][3:]) for f in chosen if f != "Flat"]
     assert lists == sorted(lists) and all(64 <= n <= 65536 for n in lists)
     for factory in chosen:
         assert gpu_index_problems(factory, 32, 2048) == []
         faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)  # a valid factory
+
+
+def test_scalar_codes_find_the_neighbours_full_vectors_find():
+    """`auto`'s IVF<n>,SQ8 scans 8-bit codes and rescores 2 candidates per neighbour exactly:
+    on tight clusters (top-10 similarities within ~0.01 of each other, where 4-bit fast-scan
+    codes found a third of them) it returns what IVF<n>,Flat returns, with the same scores."""
+    rng = np.random.default_rng(1)
+    centres = rng.standard_normal((40, 64)).astype(np.float32)
+    rows = centres[rng.integers(0, 40, 20_000)] + 0.3 * rng.standard_normal((20_000, 64))
+    rows = (rows / np.linalg.norm(rows, axis=1, keepdims=True)).astype(np.float32)
+    assert candidates_per_neighbour("IVF64,SQ8") == candidates_per_neighbour("Flat") == 2
+    assert candidates_per_neighbour("IVF64,PQ16") == 4
+    trained = {f: train_index(f, rows) for f in ("IVF64,SQ8", "IVF64,Flat")}
+    coded, full = (
+        IndexShard.build(rows, factory=f, trained=trained[f], nprobe=8) for f in trained
+    )
+    got_scores, got = coded.search(rows[:500], 10)
+    want_scores, want = full.search(rows[:500], 10)
+    assert (got == want).mean() > 0.99
+    np.testing.assert_array_equal(got_scores[got == want], want_scores[got == want])
 
 
 def test_auto_ivf_factory_trains_and_finds_neighbours():

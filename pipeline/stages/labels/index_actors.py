@@ -217,8 +217,15 @@ def build_index_actors(spec: LabelSpec, row_refs: list, dim: int) -> tuple[list,
     # a CPU actor is placed on a node with a CPU (never a 0-CPU head) and holds none.
     gpus = spec.index.gpus_per_actor
     resources = {"num_gpus": gpus, "num_cpus": 1} if gpus > 0 else {}
+    # A threaded actor: FAISS releases the GIL, so an actor with a CPU-less placement still
+    # searches for several label tasks at once (each waits for it, holding its CPU), where a
+    # one-thread actor kept one core busy for the whole pass. FAISS GPU indexes are not
+    # thread-safe: a GPU actor serves one search at a time.
     actor_class = ray.remote(IndexStoreActor).options(
-        max_restarts=INDEX_ACTOR_RESTARTS, max_task_retries=INDEX_ACTOR_RESTARTS, **resources
+        max_restarts=INDEX_ACTOR_RESTARTS,
+        max_task_retries=INDEX_ACTOR_RESTARTS,
+        max_concurrency=1 if gpus > 0 else spec.index.search_threads,
+        **resources,
     )
     restore = f"{_restore_dir(spec)}/{uuid.uuid4().hex[:12]}"  # this pass's tables only
     actors = [
