@@ -425,12 +425,10 @@ def _clear_training(layout: RunLayout, round_index: int) -> None:
 
 def _remove(*paths: str) -> None:
     """Delete files or folders (local or fsspec URLs); missing ones are fine."""
-    import fsspec
+    from pipeline.io.tables import remove_path
 
     for path in paths:
-        fs, fs_path = fsspec.core.url_to_fs(path)
-        if fs.exists(fs_path):
-            fs.rm(fs_path, recursive=True)
+        remove_path(path)
 
 
 def _publish(job, layout, shard_paths, run: _RunRecord, last: int) -> None:

@@ -233,9 +233,7 @@ def test_scalar_codes_find_the_neighbours_full_vectors_find():
     assert candidates_per_neighbour("IVF64,SQ8") == candidates_per_neighbour("Flat") == 2
     assert candidates_per_neighbour("IVF64,PQ16") == 4
     trained = {f: train_index(f, rows) for f in ("IVF64,SQ8", "IVF64,Flat")}
-    coded, full = (
-        IndexShard.build(rows, factory=f, trained=trained[f], nprobe=8) for f in trained
-    )
+    coded, full = (IndexShard.build(rows, factory=f, trained=trained[f], nprobe=8) for f in trained)
     got_scores, got = coded.search(rows[:500], 10)
     want_scores, want = full.search(rows[:500], 10)
     assert (got == want).mean() > 0.99

@@ -90,6 +90,14 @@ def file_exists(path: str) -> bool:
     return fs.exists(fs_path)
 
 
+def remove_path(path: str) -> None:
+    """Delete a file or a folder with everything in it (local path or fsspec URL); a missing
+    one is fine."""
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    if fs.exists(fs_path):
+        fs.rm(fs_path, recursive=True)
+
+
 def open_atomic(path: str, mode: str = "wb"):
     """Context manager: write to a temporary name beside `path`, rename to `path` on success.
 

@@ -30,7 +30,13 @@ import pyarrow.parquet as pq
 
 from pipeline.core.neighbours import ROW_FIELDS, IndexStore, ShardedNeighbours
 from pipeline.io.layout import RunLayout
-from pipeline.io.tables import file_exists, open_atomic, read_table, write_json_atomic
+from pipeline.io.tables import (
+    file_exists,
+    open_atomic,
+    read_table,
+    remove_path,
+    write_json_atomic,
+)
 from pipeline.stages.labels.spec import LabelSpec
 
 __all__ = [
@@ -183,11 +189,7 @@ def _restore_dir(spec: LabelSpec) -> str:
 
 def remove_restore_tables(spec: LabelSpec) -> None:
     """Delete the pass's restore tables (the actors are gone; the labels are written)."""
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(_restore_dir(spec))
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
+    remove_path(_restore_dir(spec))
 
 
 def build_index_actors(spec: LabelSpec, row_refs: list, dim: int) -> tuple[list, list[int]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from pipeline.io.layout import RunLayout
-from pipeline.io.tables import read_json
+from pipeline.io.tables import read_json, remove_path
 from pipeline.stages.train.data import steps_per_epoch
 from pipeline.stages.train.loop import NOT_RETRIED, train_loop
 from pipeline.stages.train.spec import TrainSpec
@@ -88,14 +88,6 @@ class _EpochBars:
             self.current = None
 
 
-def _forget_train_error(path: str) -> None:
-    import fsspec
-
-    fs, fs_path = fsspec.core.url_to_fs(path)
-    if fs.exists(fs_path):
-        fs.rm(fs_path)
-
-
 def _recorded_error(record: dict) -> Exception:
     """The worker's error (`train_loop`'s record) raised again on the driver, its worker-side
     traceback in the message after the first line (the run's error log shows it)."""
@@ -133,7 +125,7 @@ def run_training(spec: TrainSpec) -> dict:
     )
     from pipeline.progress import ProgressBoard, follow_board
 
-    _forget_train_error(layout.train_error(spec.round_index))  # an earlier run's, since fixed
+    remove_path(layout.train_error(spec.round_index))  # an earlier run's, since fixed
     board = ProgressBoard.start()
     trainer = TorchTrainer(
         train_loop,
