@@ -36,12 +36,14 @@ def emit(figure: str, **values) -> None:
 
 
 def make_shards(corpus: Path, pairs: int, image_size: int, shard_pairs: int) -> list[str]:
-    """The corpus's shards (made once, reused while its parameters match)."""
+    """The corpus's shards (made once, reused while it is as large and of the same shapes)."""
     from pipeline.data.synthetic import make_corpus
 
     params = {"samples": pairs, "image_size": image_size, "samples_per_shard": shard_pairs}
     stamp = corpus / "scale_params.json"
-    if not (stamp.exists() and json.loads(stamp.read_text()) == params):
+    made = json.loads(stamp.read_text()) if stamp.exists() else None
+    # A larger corpus with the same shapes serves too: each size reads its first shards.
+    if not (made and made["samples"] >= pairs and {**made, "samples": pairs} == params):
         started = time.perf_counter()
         make_corpus(corpus, test_samples=0, noise=0.4, partial=0.1, seed=0, **params)
         stamp.write_text(json.dumps(params))
@@ -49,7 +51,9 @@ def make_shards(corpus: Path, pairs: int, image_size: int, shard_pairs: int) -> 
     return sorted(str(p) for p in corpus.glob("[0-9]*.tar"))
 
 
-def run_one(shards: list[str], out: str, methods: list[str], cpus: int) -> dict:
+def run_one(
+    shards: list[str], out: str, methods: list[str], cpus: int, search_threads: int
+) -> dict:
     """Embed `shards` and run one label pass per method in this process; the figures."""
     from pipeline.config import EmbedConfig, IndexConfig, LabelsConfig
     from pipeline.models import ModelSpec
@@ -84,7 +88,7 @@ def run_one(shards: list[str], out: str, methods: list[str], cpus: int) -> dict:
             shards=tuple(names),
             out_dir=f"{out}/labels_{method}",
             labels=LabelsConfig(method=method),
-            index=IndexConfig(factory="auto"),
+            index=IndexConfig(factory="auto", search_threads=search_threads),
             write_index=False,
         )
         started = time.perf_counter()
@@ -107,6 +111,9 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--cpus", type=int, default=2)
     parser.add_argument("--shard-pairs", type=int, default=10_000, help="pairs per tar")
+    parser.add_argument(
+        "--search-threads", type=int, default=2, help="index.search_threads of the label passes"
+    )
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # child: one size
     args = parser.parse_args()
 
@@ -117,7 +124,8 @@ def main() -> None:
         shards = sorted(str(p) for p in corpus.glob("[0-9]*.tar"))[:count]
         out = f"{args.out}/{args.one}"
         shutil.rmtree(out, ignore_errors=True)
-        print(json.dumps(run_one(shards, out, args.methods, args.cpus)), flush=True)
+        figures = run_one(shards, out, args.methods, args.cpus, args.search_threads)
+        print(json.dumps(figures), flush=True)
         return
 
     make_shards(corpus, sizes[-1], args.image_size, args.shard_pairs)
@@ -155,7 +163,7 @@ def _passed(args) -> list[str]:
     return [
         "--methods", *args.methods, "--corpus", args.corpus, "--out", args.out,
         "--image-size", str(args.image_size), "--cpus", str(args.cpus),
-        "--shard-pairs", str(args.shard_pairs),
+        "--shard-pairs", str(args.shard_pairs), "--search-threads", str(args.search_threads),
     ]  # fmt: skip
 
 
