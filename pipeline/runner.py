@@ -16,7 +16,7 @@ from typing import Any
 from pipeline.config import JobConfig
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import expand_shard_patterns, shard_name
-from pipeline.io.tables import read_json, write_json_atomic
+from pipeline.io.tables import read_json, remove_path, write_json_atomic
 from pipeline.models import ModelSpec, check_weights_available
 from pipeline.run_errors import RunFailedError, ShardFailuresError, explain_failure
 from pipeline.run_state import (
@@ -425,8 +425,6 @@ def _clear_training(layout: RunLayout, round_index: int) -> None:
 
 def _remove(*paths: str) -> None:
     """Delete files or folders (local or fsspec URLs); missing ones are fine."""
-    from pipeline.io.tables import remove_path
-
     for path in paths:
         remove_path(path)
 
