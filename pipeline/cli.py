@@ -33,33 +33,6 @@ def _console() -> None:
     setup_console()
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from pipeline.config import JobConfigError
-    from pipeline.export import ExportConflictError
-    from pipeline.io.shards import ShardPatternError
-    from pipeline.labels import LabelTableError
-    from pipeline.models import ModelLoadError
-    from pipeline.run_errors import RunFailedError, ShardFailuresError
-    from pipeline.run_status import RunStatusError
-    from pipeline.runner import RunConflictError
-    from pipeline.stages.export import ExportError
-    from pipeline.submit import SubmitError
-
-    return (
-        JobConfigError,
-        ExportConflictError,
-        ExportError,
-        ShardPatternError,
-        LabelTableError,
-        ModelLoadError,
-        RunConflictError,
-        RunFailedError,
-        RunStatusError,
-        ShardFailuresError,
-        SubmitError,
-    )
-
-
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code=2)
@@ -67,9 +40,11 @@ def _fail(message: str) -> None:
 
 def _guard(function, *args, **kwargs):
     """Call `function`; turn the errors a user can fix into a plain message."""
+    from pipeline.run_errors import UserError
+
     try:
         return function(*args, **kwargs)
-    except _user_errors() as exc:
+    except UserError as exc:
         _fail(str(exc))
 
 
@@ -100,13 +75,14 @@ def validate(
 ) -> None:
     """Check a job file (and, unless --config-only, that its shards and weights exist)."""
     from pipeline.config import load_job
-    from pipeline.models import check_weights_available
-    from pipeline.runner import model_specs, resolve_inputs
 
     job = _guard(load_job, job_file, overrides)
     typer.echo(f"ok: job '{job.name}' is a valid configuration")
     if config_only:
         return
+    from pipeline.models import check_weights_available
+    from pipeline.runner import model_specs, resolve_inputs
+
     shards = _guard(resolve_inputs, job)
     typer.echo(f"ok: {len(shards)} input shards found")
     for spec in model_specs(job).values():

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.core.labels import LABEL_METHODS
+from pipeline.run_errors import UserError
 
 __all__ = [
     "JobConfig",
@@ -29,7 +30,7 @@ __all__ = [
 ]
 
 
-class JobConfigError(ValueError):
+class JobConfigError(UserError, ValueError):
     """A job file that cannot be used; the message is meant for the user as is."""
 
 

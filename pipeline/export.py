@@ -35,6 +35,7 @@ import pyarrow as pa
 
 from pipeline.io.labels import SUBSET_VALUES, uid_of
 from pipeline.io.tables import open_atomic, read_json, write_json_atomic
+from pipeline.run_errors import UserError
 
 __all__ = [
     "FORMATS",
@@ -74,7 +75,7 @@ _OURS = re.compile(
 )
 
 
-class ExportConflictError(ValueError):
+class ExportConflictError(UserError, ValueError):
     """DIR is not empty and does not hold an unfinished export of the same run and options."""
 
 

@@ -15,11 +15,12 @@ import os
 import pyarrow.dataset as ds
 
 from pipeline.io.labels import LABELS_SCHEMA, READABLE_SCHEMA_NAMES
+from pipeline.run_errors import UserError
 
 __all__ = ["LabelTableError", "labels_folder", "labels_folder_url", "read_labels"]
 
 
-class LabelTableError(ValueError):
+class LabelTableError(UserError, ValueError):
     """The path holds no label tables, or a file that is not a `labels.v1`/`labels.v2` table."""
 
 

@@ -13,12 +13,19 @@ import datetime as _dt
 import logging
 import traceback
 
-__all__ = ["RunFailedError", "ShardFailuresError", "explain_failure", "root_cause"]
+__all__ = ["RunFailedError", "ShardFailuresError", "UserError", "explain_failure", "root_cause"]
 
 logger = logging.getLogger(__name__)
 
 
-class RunFailedError(RuntimeError):
+class UserError(Exception):
+    """An error its message lets the user fix (a bad job key, a missing shard or weights file,
+    a conflicting run directory): the CLI prints it as one `error:` line and exits with status
+    2, without a traceback. Every such error derives from it, so the CLI catches them without
+    importing the modules that raise them (torch and open_clip for a model error)."""
+
+
+class RunFailedError(UserError, RuntimeError):
     """A stage of the run failed; the message is one paragraph meant for the user as is."""
 
     def __init__(self, message: str, log_path: str | None = None) -> None:
@@ -26,7 +33,7 @@ class RunFailedError(RuntimeError):
         self.log_path = log_path
 
 
-class ShardFailuresError(RuntimeError):
+class ShardFailuresError(UserError, RuntimeError):
     """More shards failed to read than `input.max_failed_shards` allows."""
 
 

@@ -17,6 +17,7 @@ from pipeline.config import JobConfig
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import expand_shard_patterns, shard_name
 from pipeline.io.tables import read_json
+from pipeline.run_errors import UserError
 from pipeline.run_state import (
     Decision,
     embed_base,
@@ -35,7 +36,7 @@ from pipeline.run_state import (
 __all__ = ["RunStatusError", "Prediction", "predict_rerun", "run_status"]
 
 
-class RunStatusError(ValueError):
+class RunStatusError(UserError, ValueError):
     """The directory is not a run directory (no manifest.json); the message says so."""
 
 

@@ -18,7 +18,7 @@ from pipeline.io.layout import RunLayout
 from pipeline.io.shards import expand_shard_patterns, shard_name
 from pipeline.io.tables import read_json, remove_path, write_json_atomic
 from pipeline.models import ModelSpec, check_weights_available
-from pipeline.run_errors import RunFailedError, ShardFailuresError, explain_failure
+from pipeline.run_errors import RunFailedError, ShardFailuresError, UserError, explain_failure
 from pipeline.run_state import (
     RunState,
     embed_base,
@@ -58,7 +58,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class RunConflictError(RuntimeError):
+class RunConflictError(UserError, RuntimeError):
     """The output directory holds the results of another job (another job name)."""
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.config import load_job
+from pipeline.run_errors import UserError
 
 __all__ = ["SubmitError", "submit_job"]
 
@@ -25,7 +26,7 @@ TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 logger = logging.getLogger(__name__)
 
 
-class SubmitError(RuntimeError):
+class SubmitError(UserError, RuntimeError):
     """The cluster could not be reached or refused the job; the message says what to do."""
 
 

@@ -27,6 +27,8 @@ from typing import Any
 
 from fsspec.core import url_to_fs
 
+from pipeline.run_errors import UserError
+
 __all__ = ["ShardPatternError", "expand_shard_patterns", "shard_name"]
 
 logger = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ _RANGE_RE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?$")
 _GLOB_CHARS = frozenset("*?[")
 
 
-class ShardPatternError(ValueError):
+class ShardPatternError(UserError, ValueError):
     """A shard spec is malformed, refused, or matches no (or not all of the listed) shards."""
 
 

@@ -23,6 +23,8 @@ from typing import Any
 import open_clip
 import torch
 
+from pipeline.run_errors import UserError
+
 __all__ = [
     "CHECKPOINT_SUFFIXES",
     "DEFAULT_DEVICE",
@@ -47,7 +49,7 @@ DEFAULT_DEVICE = "auto"  # sentinel kept in one place so callers and docs agree
 _NAME_SCHEMAS = ("hf-hub", "local-dir")
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError, ValueError):
     """A model could not be built or its weights could not be found or read.
 
     The message is meant for users: it names the model, the tag or path, and the fix. It

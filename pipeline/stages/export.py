@@ -30,6 +30,7 @@ import pyarrow as pa
 from pipeline.io.labels import SUBSET_VALUES, uid_of
 from pipeline.io.shards import RawRecord, iter_shard_records
 from pipeline.io.tables import file_exists, open_atomic, read_json, write_json_atomic
+from pipeline.run_errors import UserError
 
 __all__ = [
     "BLOCK",
@@ -49,7 +50,7 @@ END_OF_ARCHIVE = b"\0" * tarfile.RECORDSIZE
 LABEL_COLUMNS = ["key", "soft_label", "subset", "round", "uid"]
 
 
-class ExportError(RuntimeError):
+class ExportError(UserError, RuntimeError):
     """The input tars and the label tables disagree (a kept key is not in its tar)."""
 
 
