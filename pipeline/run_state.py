@@ -33,11 +33,14 @@ __all__ = [
     "DEPENDS_ON",
     "STAGE_KEY_META",
     "Decision",
+    "EmbedPlan",
     "RunState",
     "StageKey",
     "StageNode",
     "decide",
     "digest",
+    "embed_plan",
+    "round0_shard_keys",
     "shard_key",
     "shards_token",
     "stage_config",
@@ -297,6 +300,54 @@ def embed_key(base: StageKey, shard_keys: Mapping[str, str]) -> StageKey:
 def pending_shards(expected: Mapping[str, str], found: Mapping[str, str | None]) -> list[str]:
     """The shards an embed pass must (re)compute: no table, or a table of another key."""
     return [shard for shard, key in expected.items() if found.get(shard) != key]
+
+
+def round0_shard_keys(
+    job, node: StageNode, tokens: Mapping[str, str], paths: Mapping[str, str]
+) -> dict[str, str]:
+    """Shard -> the key of its round-0 embeddings: the embed config and the shard's identity
+    (name, size, path); every later stage of the shard builds on it."""
+    from pipeline.io.admitted import shard_size
+
+    base = embed_base(job, node, tokens).key
+    return {
+        name: shard_key(base, shard_identity(name, shard_size(path), path))
+        for name, path in paths.items()
+    }
+
+
+@dataclass(frozen=True)
+class EmbedPlan:
+    """What an embed pass finds before it runs: its key before the shards (`base`), the key
+    each shard's table must hold (`expected`), the keys the tables hold (`found`, None: no
+    table) and the shards to (re)compute (`pending`)."""
+
+    base: StageKey
+    expected: dict[str, str]
+    found: dict[str, str | None]
+    pending: list[str]
+
+
+def embed_plan(
+    job,
+    node: StageNode,
+    tokens: Mapping[str, str],
+    recomputed: Collection[str],
+    layout,
+    round0_keys: Mapping[str, str],
+) -> EmbedPlan:
+    """The plan of `node`'s embed pass over the shards of `round0_keys` (shard -> its round-0
+    key: config and identity); the runner runs it, `ncl-pipeline status` predicts it."""
+    base = embed_base(job, node, tokens)
+    if node.round_index == 0:
+        expected = dict(round0_keys)
+    else:  # a later round's models over the same admitted shards
+        expected = {name: shard_key(base.key, key) for name, key in round0_keys.items()}
+    found = table_keys({name: layout.embeddings(node.round_index, name) for name in expected})
+    pending = pending_shards(expected, found)
+    if any(name in recomputed for name in node.inputs):
+        pending = list(expected)  # its models may differ bit for bit under the same key
+    return EmbedPlan(base, expected, found, pending)
 
 
 def embed_reason(

@@ -20,13 +20,11 @@ from pipeline.io.tables import read_json
 from pipeline.run_errors import UserError
 from pipeline.run_state import (
     Decision,
-    embed_base,
     embed_key,
+    embed_plan,
     embed_reason,
     outputs_present,
-    pending_shards,
-    shard_identity,
-    shard_key,
+    round0_shard_keys,
     shards_token,
     stage_graph,
     stage_key,
@@ -58,15 +56,9 @@ def _embed_decision(job, node, layout, state, usable: dict[str, str], retried: d
     """An embed pass: reused when every usable shard has its table under its key. Returns
     (decision, its token, whether its readers count it as recomputed: a retried shard that
     fails again changes nothing downstream)."""
-    base = embed_base(job, node, state["tokens"])
-    if node.round_index == 0:
-        expected = {**usable, **retried}
-    else:
-        expected = {name: shard_key(base.key, key) for name, key in usable.items()}
-    found = table_keys({name: layout.embeddings(node.round_index, name) for name in expected})
-    pending = pending_shards(expected, found)
-    if any(name in state["recomputed"] for name in node.inputs):
-        pending = list(expected)
+    round0_keys = {**usable, **retried} if node.round_index == 0 else usable
+    plan = embed_plan(job, node, state["tokens"], state["recomputed"], layout, round0_keys)
+    base, expected, found, pending = plan.base, plan.expected, plan.found, plan.pending
     final = embed_key(base, {name: expected[name] for name in usable if name in expected})
     if not pending:
         return Decision(node.stage, True), final.key, False
@@ -76,18 +68,13 @@ def _embed_decision(job, node, layout, state, usable: dict[str, str], retried: d
 
 def predict_rerun(run_dir: str, job: JobConfig, manifest: dict | None = None) -> Prediction:
     """What `run_job(job)` into `run_dir` would reuse and recompute, stage by stage."""
-    from pipeline.io.admitted import shard_size
     from pipeline.run_state import decide
 
     manifest = manifest if manifest is not None else _manifest(run_dir)
     layout = RunLayout(run_dir)
     graph = stage_graph(job)
     paths = {shard_name(p): p for p in expand_shard_patterns(job.input.shards)}
-    base = embed_base(job, graph[0], {})
-    keys = {
-        name: shard_key(base.key, shard_identity(name, shard_size(path), path))
-        for name, path in paths.items()
-    }
+    keys = round0_shard_keys(job, graph[0], {}, paths)
     found = table_keys({name: layout.embeddings(0, name) for name in keys})
     failed = {f["shard"] for f in (manifest.get("shards") or {}).get("failed", [])}
     retried = sorted(name for name in keys if found[name] is None and name in failed)

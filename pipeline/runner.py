@@ -21,13 +21,11 @@ from pipeline.models import ModelSpec, check_weights_available
 from pipeline.run_errors import RunFailedError, ShardFailuresError, UserError, explain_failure
 from pipeline.run_state import (
     RunState,
-    embed_base,
     embed_key,
+    embed_plan,
     embed_reason,
     outputs_present,
-    pending_shards,
-    shard_identity,
-    shard_key,
+    round0_shard_keys,
     shards_token,
     stage_graph,
     stage_key,
@@ -458,26 +456,18 @@ def _publish(job, layout, shard_paths, run: _RunRecord, last: int) -> None:
 
 def _embed(run: _RunRecord, shard_paths: list[str], round_index: int, views) -> dict:
     """An embed pass over the shards whose table is missing or of another key."""
-    from pipeline.io.admitted import shard_size
     from pipeline.stages.embed import EmbedSpec, run_embed_pass
 
     job, layout, state = run.job, run.layout, run.state
     node = run.graph[f"round{round_index}/embed"]
-    base = embed_base(job, node, state.tokens)
     paths = {shard_name(p): p for p in shard_paths}
     if round_index == 0:
-        run.shard_keys = {
-            name: shard_key(base.key, shard_identity(name, shard_size(path), path))
-            for name, path in paths.items()
-        }
-        expected = dict(run.shard_keys)
-    else:
-        expected = {name: shard_key(base.key, run.shard_keys[name]) for name in paths}
+        run.shard_keys = round0_shard_keys(job, node, state.tokens, paths)
+    plan = embed_plan(
+        job, node, state.tokens, state.recomputed, layout, {n: run.shard_keys[n] for n in paths}
+    )
+    base, expected, found, pending = plan.base, plan.expected, plan.found, plan.pending
     tables = {name: layout.embeddings(round_index, name) for name in paths}
-    found = table_keys(tables)
-    pending = pending_shards(expected, found)
-    if any(name in state.recomputed for name in node.inputs):
-        pending = list(expected)  # its models may differ bit for bit under the same key
     recorded = state.records.get(node.stage)
     if pending:
         why = embed_reason(base, recorded, pending, found, state.recomputed)

@@ -1,13 +1,19 @@
 """The run state's pure parts: which config keys each stage hashes, the stage graph, and the
-reuse / recompute decision with its reason (no Ray, no files)."""
+reuse / recompute decision with its reason (no Ray; files only for embeddings footers)."""
 
 from __future__ import annotations
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from pipeline.config import JobConfig
+from pipeline.io.layout import RunLayout
 from pipeline.run_state import (
+    STAGE_KEY_META,
     RunState,
     StageKey,
     decide,
+    embed_plan,
     embed_reason,
     pending_shards,
     shard_key,
@@ -154,6 +160,30 @@ def test_shard_keys_reuse_shards_one_by_one():
     recorded = _done(StageKey("round0/embed", {"seed": 0}, {"shards": "x"}))
     changed = embed_reason(StageKey("round0/embed", {"seed": 1}), recorded, ["00000"], found)
     assert changed == "seed changed"
+
+
+def test_an_embed_plan_redoes_missing_and_foreign_tables_and_everything_after_new_models(
+    tmp_path,
+):
+    job = _job(output=str(tmp_path))
+    node = next(n for n in stage_graph(job) if n.stage == "round1/embed")
+    layout = RunLayout(str(tmp_path))
+    round0 = {"00000": "k0", "00001": "k1"}
+    plan = embed_plan(job, node, {}, set(), layout, round0)
+    assert plan.pending == ["00000", "00001"] and plan.found == {"00000": None, "00001": None}
+    # A later round's table key builds on the round-0 key and on this round's models.
+    assert plan.expected["00000"] != "k0"
+    other_models = embed_plan(job, node, {node.inputs[0]: "other"}, set(), layout, round0)
+    assert other_models.expected["00000"] != plan.expected["00000"]
+
+    table = layout.embeddings(1, "00000")
+    (tmp_path / table).parent.mkdir(parents=True, exist_ok=True)
+    schema = pa.schema([("key", pa.string())], metadata={STAGE_KEY_META: plan.expected["00000"]})
+    pq.write_table(pa.table({"key": ["a"]}, schema=schema), table)
+    assert embed_plan(job, node, {}, set(), layout, round0).pending == ["00001"]
+    # Its models were retrained in this run: same key, maybe other bits, so every shard again.
+    again = embed_plan(job, node, {}, {node.inputs[0]}, layout, round0)
+    assert again.pending == ["00000", "00001"]
 
 
 def test_run_state_records_start_and_finish():
