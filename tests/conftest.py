@@ -14,7 +14,8 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def local_ray():
-    """A real local Ray on 127.0.0.1 (2 CPUs), shared by every Ray test of the session."""
+    """A real local Ray on 127.0.0.1 (2 CPUs), shared by every Ray test of the session that
+    runs its jobs in this process (`own_ray` modules run after it is stopped)."""
     import ray
 
     from pipeline.runtime import init_ray
@@ -68,8 +69,10 @@ def _gpu_state() -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """`gpu` tests skip on a machine without an NVIDIA GPU; on one whose GPU torch cannot use
-    (CPU-only torch, driver too old for torch's CUDA) they fail, in `pytest_runtest_setup`."""
+    """`own_ray` modules go last (see `pytest_runtest_setup`). `gpu` tests skip on a machine
+    without an NVIDIA GPU; on one whose GPU torch cannot use (CPU-only torch, driver too old
+    for torch's CUDA) they fail, in `pytest_runtest_setup`."""
+    items.sort(key=lambda item: item.get_closest_marker("own_ray") is not None)  # stable
     if not any("gpu" in item.keywords for item in items) or _gpu_state() != "absent":
         return
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (nvidia-smi lists none)")
@@ -79,6 +82,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_setup(item):
+    if item.get_closest_marker("own_ray") is not None:
+        # The session's idle local Ray (GCS, raylet, agents, pooled workers, Ray Data's system
+        # actors: ~1% of a core per process) would take CPU from the test's own Ray, on 2 cores.
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
     if "gpu" in item.keywords:
         state = _gpu_state()
         if state not in (None, "absent"):

@@ -34,7 +34,7 @@ from pipeline.data.synthetic import make_corpus
 from pipeline.labels import read_labels
 
 # A test's budget covers the module's reference run too (the first test sets it up).
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.own_ray, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[1]
 SHARDS = 3
 

@@ -17,7 +17,7 @@ from pipeline.data.synthetic import make_corpus
 from pipeline.io.labels import SUBSET_VALUES
 from pipeline.labels import read_labels
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.own_ray]
 ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "ncl-test"
 

@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.data.synthetic import make_corpus
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.own_ray]
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 

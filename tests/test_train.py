@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import signal
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -76,7 +80,10 @@ def warmed(local_ray, corpus, tmp_path_factory) -> tuple[Path, dict]:
     """One undisturbed warm-up: the learning test reads it, the resume test compares with it
     (a training round costs ~20 s of Ray Train start-up here, so the two share one)."""
     output = tmp_path_factory.mktemp("warmup")
-    return output, run_training(_spec(corpus, output, max_epochs=EPOCHS))
+    sigint = signal.getsignal(signal.SIGINT)
+    summary = run_training(_spec(corpus, output, max_epochs=EPOCHS))
+    assert signal.getsignal(signal.SIGINT) is sigint  # Ray Train's own is put back
+    return output, summary
 
 
 def test_warmup_learns_and_beats_chance_retrieval(warmed):
@@ -94,6 +101,22 @@ def test_warmup_learns_and_beats_chance_retrieval(warmed):
     a = torch.load(RunLayout(str(output)).model_checkpoint(0, "A"), weights_only=True)
     b = torch.load(RunLayout(str(output)).model_checkpoint(0, "B"), weights_only=True)
     assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_finished_round_leaves_no_training_controller(warmed):
+    """The round's Ray Train controller ends with it (Ray Train's Ctrl-C handler, put back by
+    `run_training`, was the last reference to it)."""
+    deadline = time.monotonic() + 20
+    while True:
+        controllers = []
+        for proc in psutil.Process().children(recursive=True):  # this session's local Ray
+            with contextlib.suppress(psutil.Error):
+                if " ".join(proc.cmdline()).startswith("ray::TrainController"):
+                    controllers.append(proc.pid)
+        if not controllers or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not controllers, f"TrainController processes still alive: {controllers}"
 
 
 def test_resume_after_a_failure_mid_epoch_gives_identical_weights(corpus, warmed, tmp_path):

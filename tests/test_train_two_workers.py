@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.own_ray]
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_WARMUP_EPOCHS = 6
