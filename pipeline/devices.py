@@ -15,8 +15,10 @@ import logging
 import os
 import shutil
 import subprocess
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "GpuUnusableError",
@@ -61,6 +63,8 @@ def _driver_version() -> str:
 
 def cuda_unusable_reason() -> str | None:
     """Why torch cannot use CUDA in this process; None when it can."""
+    import torch  # here, not at the top: index actors import this module and need no torch
+
     if torch.version.cuda is None:
         return f"torch {torch.__version__} is a CPU-only build (install a CUDA build of torch)"
     if torch.cuda.is_available():
@@ -84,6 +88,8 @@ def granted_device(what: str) -> torch.device:
     Raises:
         GpuUnusableError: a GPU was granted but torch cannot use CUDA.
     """
+    import torch
+
     if granted_gpu_count() == 0:
         return torch.device("cpu")
     reason = cuda_unusable_reason()

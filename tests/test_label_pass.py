@@ -8,6 +8,8 @@ end-to-end embed -> label test on the demo corpus is in test_labels_reader.py.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -563,3 +565,21 @@ def test_sps_trainee_view(two_view_run, tmp_path):
     assert index.ntotal == int(reliable.sum()) == summary["partition"]["sps_split"]["n_reliable"]
     top = _merged_top1([index], u_b[noisy])
     np.testing.assert_array_equal(keys[top], named[noisy])
+
+
+def test_label_pass_workers_import_no_torch():
+    """What label tasks and index actors import (pipeline.stages.labels, and pipeline.devices
+    for the GPU grant) loads no torch: each such worker is a fresh process, and importing
+    torch there cost ~2.5 s of CPU apiece (four index actors per job on 2 cores)."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import pipeline.stages.labels as labels\n"
+        "prefix = 'pipeline.stages.labels.'\n"
+        "names = [m.name for m in pkgutil.walk_packages(labels.__path__, prefix)]\n"
+        "for name in names + ['pipeline.devices']:\n"
+        "    importlib.import_module(name)\n"
+        "print(len(names), 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    count, torch_loaded = out.stdout.split()
+    assert int(count) >= 5 and torch_loaded == "False", out.stdout

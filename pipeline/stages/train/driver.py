@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import pickle
 import signal
 import threading
 
@@ -23,25 +24,69 @@ logger = logging.getLogger(__name__)
 
 
 def _torch_config():
-    """Ray Train's torch backend, without a process group when there is a single worker.
+    """Ray Train's torch backend as a config its controller loads without torch, and without a
+    process group when there is a single worker.
 
-    A process group is only needed to synchronise several workers, and torch's TCPStore binds
-    all interfaces (`::`) whatever MASTER_ADDR says: a local, single-worker run must not open a
-    port beyond loopback (`tests/test_embed_pass.py` checks what Ray processes listen on).
+    - The controller actor unpickles the backend config. Ray's `TorchConfig` lives in a module
+      that imports torch: ~2.5 s of CPU in a fresh process that never runs torch, on the
+      critical path of every training round. This config and its backend import only
+      `ray.train.backend`; they reach torch's backend only to set up several workers.
+    - A process group is only needed to synchronise several workers, and torch's TCPStore binds
+      all interfaces (`::`) whatever MASTER_ADDR says: a local, single-worker run must not open
+      a port beyond loopback (`tests/test_embed_pass.py` checks what Ray processes listen on).
     """
-    from ray.train.torch.config import TorchConfig, _TorchBackend
+    from dataclasses import dataclass
 
-    class _Backend(_TorchBackend):
+    from ray.train.backend import Backend, BackendConfig
+    from ray.train.v2._internal.util import TrainingFramework
+
+    def torch_backend():
+        from ray.train.torch.config import _TorchBackend
+
+        return _TorchBackend()
+
+    class _Backend(Backend):
+        share_cuda_visible_devices = True  # as torch's: a worker sees its node's granted GPUs
+
         def on_start(self, worker_group, backend_config):
             if len(worker_group) > 1:
-                super().on_start(worker_group, backend_config)
+                torch_backend().on_start(worker_group, backend_config)
 
-    class _Config(TorchConfig):
+        def on_shutdown(self, worker_group, backend_config):
+            # One worker has no process group to destroy, and its process ends with the round.
+            if len(worker_group) > 1:
+                torch_backend().on_shutdown(worker_group, backend_config)
+
+    @dataclass
+    class _Config(BackendConfig):
+        # TorchConfig's fields, read by torch's backend when it sets up several workers.
+        backend: str | None = None
+        init_method: str = "env"
+        timeout_s: int = 1800
+
         @property
         def backend_cls(self):
             return _Backend
 
+        @property
+        def train_func_context(self):
+            # Runs on the workers (which import torch anyway): selects the granted CUDA device.
+            from ray.train.torch.config import TorchConfigContextManager
+
+            return TorchConfigContextManager
+
+        @property
+        def framework(self):
+            return TrainingFramework.TORCH
+
     return _Config()
+
+
+def _train_loop_config(spec: TrainSpec, board) -> dict:
+    """`train_loop`'s config, with the spec as bytes: Ray Train's controller unpickles this
+    config too, and the spec's classes would make it import the training code, torch and
+    open_clip (~6 s of CPU per round in a process that only supervises the workers)."""
+    return {"spec": pickle.dumps(spec), "progress": board}
 
 
 def _train_storage(path: str):
@@ -151,7 +196,7 @@ def run_training(spec: TrainSpec) -> dict:
     board = ProgressBoard.start()
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"spec": spec, "progress": board},
+        train_loop_config=_train_loop_config(spec, board),
         torch_config=_torch_config(),
         scaling_config=ScalingConfig(num_workers=spec.train.workers, use_gpu=spec.use_gpu),
         # A failed worker group (a node lost, a worker killed) is restarted by Ray Train and

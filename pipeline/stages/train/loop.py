@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import pickle
 import time
 import traceback
 
@@ -262,7 +263,7 @@ def train_loop(config: dict) -> None:
     """
     import ray.train
 
-    spec: TrainSpec = config["spec"]
+    spec: TrainSpec = pickle.loads(config["spec"])  # pickled by run_training: see there
     path = RunLayout(spec.output).train_error(spec.round_index)
     record = read_json(path)
     if record is not None:
@@ -271,7 +272,7 @@ def train_loop(config: dict) -> None:
             write_json_atomic(record, path)
         return
     try:
-        _train(config)
+        _train(spec, config.get("progress"))
     except Exception as exc:
         root = root_cause(exc)
         if isinstance(root, NOT_RETRIED):
@@ -286,11 +287,10 @@ def train_loop(config: dict) -> None:
         raise
 
 
-def _train(config: dict) -> None:
+def _train(spec: TrainSpec, board) -> None:
     import ray.train
     import ray.train.torch
 
-    spec: TrainSpec = config["spec"]
     if spec.train.torch_threads:
         torch.set_num_threads(spec.train.torch_threads)
     ctx = ray.train.get_context()
@@ -319,9 +319,7 @@ def _train(config: dict) -> None:
     while not all(t.stopped for t in trainers):
         epoch = min(t.epoch for t in trainers if not t.stopped)
         active = [t for t in trainers if not t.stopped and t.epoch == epoch]
-        seen, seconds = _run_epoch(
-            spec, active, epoch, steps, rank, world, device, injected, config.get("progress")
-        )
+        seen, seconds = _run_epoch(spec, active, epoch, steps, rank, world, device, injected, board)
         results = {}
         if val_set is not None:
             from pipeline.evaluation import evaluate_models
@@ -331,7 +329,7 @@ def _train(config: dict) -> None:
         for t in active:
             _pool_epoch(t, device)
             rsum = results.get(t.view.name, {}).get("rsum")
-            _end_epoch(spec, t, epoch, rsum, seen, seconds, rank, config.get("progress"))
+            _end_epoch(spec, t, epoch, rsum, seen, seconds, rank, board)
         _agree_on_stops(active, device)
         ray.train.report({"epoch": epoch})
     if rank == 0:
