@@ -151,9 +151,10 @@ def test_the_training_controller_unpickles_its_config_without_torch(corpus, tmp_
 
     import cloudpickle
 
-    from pipeline.stages.train.driver import _torch_config, _train_loop_config
+    from pipeline.stages.train.driver import torch_backend_config, train_loop_config
 
-    blob = cloudpickle.dumps((_torch_config(), _train_loop_config(_spec(corpus, tmp_path), None)))
+    spec = _spec(corpus, tmp_path)
+    blob = cloudpickle.dumps((torch_backend_config(), train_loop_config(spec, None)))
     (tmp_path / "config.pkl").write_bytes(blob)
     code = (
         "import pickle, sys\n"
@@ -164,6 +165,4 @@ def test_the_training_controller_unpickles_its_config_without_torch(corpus, tmp_
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
     # The workers get the spec back whole.
-    assert pickle.loads(_train_loop_config(_spec(corpus, tmp_path), None)["spec"]) == _spec(
-        corpus, tmp_path
-    )
+    assert pickle.loads(train_loop_config(spec, None)["spec"]) == spec

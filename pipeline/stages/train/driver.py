@@ -15,7 +15,7 @@ from pipeline.stages.train.data import steps_per_epoch
 from pipeline.stages.train.loop import NOT_RETRIED, train_loop
 from pipeline.stages.train.spec import TrainSpec
 
-__all__ = ["run_training"]
+__all__ = ["run_training", "torch_backend_config", "train_loop_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 # Driver side
 
 
-def _torch_config():
+def torch_backend_config():
     """Ray Train's torch backend as a config its controller loads without torch, and without a
     process group when there is a single worker.
 
@@ -82,7 +82,7 @@ def _torch_config():
     return _Config()
 
 
-def _train_loop_config(spec: TrainSpec, board) -> dict:
+def train_loop_config(spec: TrainSpec, board) -> dict:
     """`train_loop`'s config, with the spec as bytes: Ray Train's controller unpickles this
     config too, and the spec's classes would make it import the training code, torch and
     open_clip (~6 s of CPU per round in a process that only supervises the workers)."""
@@ -196,8 +196,8 @@ def run_training(spec: TrainSpec) -> dict:
     board = ProgressBoard.start()
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config=_train_loop_config(spec, board),
-        torch_config=_torch_config(),
+        train_loop_config=train_loop_config(spec, board),
+        torch_config=torch_backend_config(),
         scaling_config=ScalingConfig(num_workers=spec.train.workers, use_gpu=spec.use_gpu),
         # A failed worker group (a node lost, a worker killed) is restarted by Ray Train and
         # train_loop resumes from resume.pt: the same weights as an undisturbed run.
