@@ -73,6 +73,9 @@ def pytest_collection_modifyitems(config, items):
     without an NVIDIA GPU; on one whose GPU torch cannot use (CPU-only torch, driver too old
     for torch's CUDA) they fail, in `pytest_runtest_setup`."""
     items.sort(key=lambda item: item.get_closest_marker("own_ray") is not None)  # stable
+    for item in items:
+        if item.get_closest_marker("own_ray") and "local_ray" in getattr(item, "fixturenames", ()):
+            raise pytest.UsageError(f"{item.nodeid} is marked own_ray but uses local_ray")
     if not any("gpu" in item.keywords for item in items) or _gpu_state() != "absent":
         return
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU (nvidia-smi lists none)")
