@@ -8,13 +8,12 @@ end-to-end embed -> label test on the demo corpus is in test_labels_reader.py.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from fresh_interpreter import run_fresh
 from label_fixtures import write_blob_run
 
 from pipeline.config import EmbedConfig, IndexConfig, LabelsConfig
@@ -571,15 +570,14 @@ def test_label_pass_workers_import_no_torch():
     """What label tasks and index actors import (pipeline.stages.labels, and pipeline.devices
     for the GPU grant) loads no torch: each such worker is a fresh process, and importing
     torch there cost ~2.5 s of CPU apiece (four index actors per job on 2 cores)."""
-    code = (
-        "import importlib, pkgutil, sys\n"
+    printed, loaded = run_fresh(
+        "import importlib, pkgutil\n"
         "import pipeline.stages.labels as labels\n"
         "prefix = 'pipeline.stages.labels.'\n"
         "names = [m.name for m in pkgutil.walk_packages(labels.__path__, prefix)]\n"
         "for name in names + ['pipeline.devices']:\n"
         "    importlib.import_module(name)\n"
-        "print(len(names), 'torch' in sys.modules)\n"
+        "print(len(names))\n",
+        {"torch"},
     )
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    count, torch_loaded = out.stdout.split()
-    assert int(count) >= 5 and torch_loaded == "False", out.stdout
+    assert int(printed[0]) >= 5 and loaded == [], (printed, loaded)

@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from fresh_interpreter import run_fresh
 
 from pipeline.config import TrainConfig
 from pipeline.data.synthetic import make_corpus
@@ -146,8 +147,6 @@ def test_the_training_controller_unpickles_its_config_without_torch(corpus, tmp_
     """What Ray Train's controller unpickles (the backend config, the train-loop config) loads
     no torch or open_clip there: in a fresh process those imports cost ~6 s of CPU per round."""
     import pickle
-    import subprocess
-    import sys
 
     import cloudpickle
 
@@ -156,13 +155,12 @@ def test_the_training_controller_unpickles_its_config_without_torch(corpus, tmp_
     spec = _spec(corpus, tmp_path)
     blob = cloudpickle.dumps((torch_backend_config(), train_loop_config(spec, None)))
     (tmp_path / "config.pkl").write_bytes(blob)
-    code = (
-        "import pickle, sys\n"
+    _, loaded = run_fresh(
+        "import pickle\n"
         f"config, loop_config = pickle.load(open({str(tmp_path / 'config.pkl')!r}, 'rb'))\n"
-        "assert config.backend_cls.__name__ and loop_config['spec']\n"
-        "print(sorted({'torch', 'open_clip', 'pipeline.stages.train'} & set(sys.modules)))\n"
+        "assert config.backend_cls.__name__ and loop_config['spec']\n",
+        {"torch", "open_clip", "pipeline.stages.train"},
     )
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert loaded == [], loaded
     # The workers get the spec back whole.
     assert pickle.loads(train_loop_config(spec, None)["spec"]) == spec
