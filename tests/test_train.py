@@ -143,6 +143,16 @@ def test_resume_after_a_failure_mid_epoch_gives_identical_weights(corpus, warmed
             torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
 
 
+def test_training_workers_and_the_driver_load_no_faiss():
+    """Training workers and the driver search no index, so they import no faiss: its loader
+    logs at INFO, and Ray forwards a worker's log to the job's console ("Loading faiss with
+    AVX2 support", "ModuleNotFoundError(...swigfaiss_avx2)") once per training round."""
+    _, loaded = run_fresh(
+        "import pipeline.cli, pipeline.config, pipeline.stages.train.loop\n", {"faiss"}
+    )
+    assert loaded == [], loaded
+
+
 def test_the_training_controller_unpickles_its_config_without_torch(corpus, tmp_path):
     """What Ray Train's controller unpickles (the backend config, the train-loop config) loads
     no torch or open_clip there: in a fresh process those imports cost ~6 s of CPU per round."""

@@ -27,11 +27,6 @@ import numpy as np
 
 from pipeline.core.faiss_gpu import GPU_MAX_K
 
-try:  # faiss is an optional extra: `pip install ncl-pipeline[cpu]` (or `[gpu]`).
-    import faiss
-except ImportError:  # pragma: no cover - exercised only on installs without the extra
-    faiss = None
-
 __all__ = [
     "EmbeddingLookup",
     "IndexShard",
@@ -60,11 +55,15 @@ _DEFAULT_TRAIN_SAMPLE = 131_072
 
 
 def _require_faiss():
-    if faiss is None:
+    """The faiss module, imported on first use: processes that only read the configuration
+    (the driver, training workers) never load it, nor its loader's log lines."""
+    try:  # faiss is an optional extra: `pip install ncl-pipeline[cpu]` (or `[gpu]`).
+        import faiss
+    except ImportError as err:  # pragma: no cover - exercised only on installs without the extra
         raise ImportError(
             "faiss is not installed: install the `cpu` extra (pip install 'ncl-pipeline[cpu]') "
             "or the `gpu` extra on CUDA machines."
-        )
+        ) from err
     return faiss
 
 
@@ -104,7 +103,8 @@ def candidates_per_neighbour(factory: str) -> int:
 
 
 def _needs_training(factory: str, dim: int) -> bool:
-    return not _require_faiss().index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT).is_trained
+    lib = _require_faiss()
+    return not lib.index_factory(dim, factory, lib.METRIC_INNER_PRODUCT).is_trained
 
 
 def train_index(
