@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -26,9 +28,12 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory):
+def head():
     """A separate Ray head (its own temp dir, so teardown kills only its processes)."""
-    temp_dir = tmp_path_factory.mktemp("rayhead")
+    # A short path of its own, not pytest's: Ray's socket paths under it must fit AF_UNIX's
+    # 107 bytes, and a deeper pytest temp dir (pytest-xdist's .../popen-gw1/rayhead0/) made
+    # .../session_<date>_<pid>/sockets/plasma_store too long for `ray start`.
+    temp_dir = Path(tempfile.mkdtemp(prefix="ncl-head-"))
     gcs_port, dash_port = _free_port(), _free_port()
     # Fixed default ports (agent 52365, metrics, runtime env) would clash with the session's
     # local Ray: give this head its own.
@@ -43,7 +48,7 @@ def head(tmp_path_factory):
     # Output to a file, not a pipe: the head's daemons outlive `ray start`, and writing to a
     # closed pipe kills them (the job agent then never comes up).
     log = (temp_dir / "ray-start.log").open("w")
-    subprocess.run(
+    started = subprocess.run(
         [
             str(BIN / "ray"),
             "start",
@@ -60,17 +65,18 @@ def head(tmp_path_factory):
             f"--runtime-env-agent-port={runtime_env}",
             "--disable-usage-stats",
         ],
-        check=True,
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
         timeout=180,
     )
+    assert started.returncode == 0, (temp_dir / "ray-start.log").read_text()[-3000:]
     yield f"http://127.0.0.1:{dash_port}"
     for proc in psutil.process_iter(["cmdline"]):
         if any(str(temp_dir) in part for part in (proc.info["cmdline"] or [])):
             with contextlib.suppress(psutil.Error):
                 proc.kill()
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _submit(args: list[str], env_extra: dict[str, str]) -> subprocess.CompletedProcess:
