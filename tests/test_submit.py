@@ -31,8 +31,8 @@ def _free_port() -> int:
 def head():
     """A separate Ray head (its own temp dir, so teardown kills only its processes)."""
     # A short path of its own, not pytest's: Ray's socket paths under it must fit AF_UNIX's
-    # 107 bytes, and a deeper pytest temp dir (pytest-xdist's .../popen-gw1/rayhead0/) made
-    # .../session_<date>_<pid>/sockets/plasma_store too long for `ray start`.
+    # 107 bytes, which .../session_<date>_<pid>/sockets/plasma_store under a deeper pytest
+    # temp dir (a long --basetemp, pytest-xdist's .../popen-gw1/rayhead0/) exceeds.
     temp_dir = Path(tempfile.mkdtemp(prefix="ncl-head-"))
     gcs_port, dash_port = _free_port(), _free_port()
     # Fixed default ports (agent 52365, metrics, runtime env) would clash with the session's
@@ -47,30 +47,31 @@ def head():
     }
     # Output to a file, not a pipe: the head's daemons outlive `ray start`, and writing to a
     # closed pipe kills them (the job agent then never comes up).
-    log = (temp_dir / "ray-start.log").open("w")
-    started = subprocess.run(
-        [
-            str(BIN / "ray"),
-            "start",
-            "--head",
-            f"--port={gcs_port}",
-            "--num-cpus=2",
-            "--include-dashboard=true",
-            "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={dash_port}",
-            f"--temp-dir={temp_dir}",
-            f"--dashboard-agent-listen-port={agent_http}",
-            f"--dashboard-agent-grpc-port={agent_grpc}",
-            f"--metrics-export-port={metrics}",
-            f"--runtime-env-agent-port={runtime_env}",
-            "--disable-usage-stats",
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        timeout=180,
-    )
-    assert started.returncode == 0, (temp_dir / "ray-start.log").read_text()[-3000:]
+    log = temp_dir / "ray-start.log"
+    with log.open("w") as out:
+        started = subprocess.run(
+            [
+                str(BIN / "ray"),
+                "start",
+                "--head",
+                f"--port={gcs_port}",
+                "--num-cpus=2",
+                "--include-dashboard=true",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={dash_port}",
+                f"--temp-dir={temp_dir}",
+                f"--dashboard-agent-listen-port={agent_http}",
+                f"--dashboard-agent-grpc-port={agent_grpc}",
+                f"--metrics-export-port={metrics}",
+                f"--runtime-env-agent-port={runtime_env}",
+                "--disable-usage-stats",
+            ],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=180,
+        )
+    assert started.returncode == 0, log.read_text()[-3000:]
     yield f"http://127.0.0.1:{dash_port}"
     for proc in psutil.process_iter(["cmdline"]):
         if any(str(temp_dir) in part for part in (proc.info["cmdline"] or [])):
