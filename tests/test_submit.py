@@ -48,36 +48,39 @@ def head():
     # Output to a file, not a pipe: the head's daemons outlive `ray start`, and writing to a
     # closed pipe kills them (the job agent then never comes up).
     log = temp_dir / "ray-start.log"
-    with log.open("w") as out:
-        started = subprocess.run(
-            [
-                str(BIN / "ray"),
-                "start",
-                "--head",
-                f"--port={gcs_port}",
-                "--num-cpus=2",
-                "--include-dashboard=true",
-                "--dashboard-host=127.0.0.1",
-                f"--dashboard-port={dash_port}",
-                f"--temp-dir={temp_dir}",
-                f"--dashboard-agent-listen-port={agent_http}",
-                f"--dashboard-agent-grpc-port={agent_grpc}",
-                f"--metrics-export-port={metrics}",
-                f"--runtime-env-agent-port={runtime_env}",
-                "--disable-usage-stats",
-            ],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            timeout=180,
-        )
-    assert started.returncode == 0, log.read_text()[-3000:]
-    yield f"http://127.0.0.1:{dash_port}"
-    for proc in psutil.process_iter(["cmdline"]):
-        if any(str(temp_dir) in part for part in (proc.info["cmdline"] or [])):
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    try:
+        with log.open("w") as out:
+            started = subprocess.run(
+                [
+                    str(BIN / "ray"),
+                    "start",
+                    "--head",
+                    f"--port={gcs_port}",
+                    "--num-cpus=2",
+                    "--include-dashboard=true",
+                    "--dashboard-host=127.0.0.1",
+                    f"--dashboard-port={dash_port}",
+                    f"--temp-dir={temp_dir}",
+                    f"--dashboard-agent-listen-port={agent_http}",
+                    f"--dashboard-agent-grpc-port={agent_grpc}",
+                    f"--metrics-export-port={metrics}",
+                    f"--runtime-env-agent-port={runtime_env}",
+                    "--disable-usage-stats",
+                ],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=180,
+            )
+        assert started.returncode == 0, log.read_text()[-3000:]
+        yield f"http://127.0.0.1:{dash_port}"
+    finally:
+        # Also after a failed `ray start`: the daemons it did start (GCS, agents) stay up.
+        for proc in psutil.process_iter(["cmdline"]):
+            if any(str(temp_dir) in part for part in (proc.info["cmdline"] or [])):
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _submit(args: list[str], env_extra: dict[str, str]) -> subprocess.CompletedProcess:
