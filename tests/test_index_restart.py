@@ -42,13 +42,16 @@ def _parts(n: int, stores: int, seed: int = 0) -> list[dict]:
 @pytest.mark.parametrize("factory", ["Flat", "IVF4,Flat"])
 def test_a_restarted_store_is_the_same_index(factory, tmp_path):
     part = _parts(200, 1)[0]
-    trained = None if factory == "Flat" else train_task(DIM, factory, 4, 0, part)
+    trained = [
+        None if factory == "Flat" else train_task(DIM, factory, 4, 0, modality, part)
+        for modality in ("image", "text")
+    ]
     restore = str(tmp_path / "store_000.parquet")
     first = IndexStoreActor(DIM, factory, 4, 0, restore)
-    assert first.load(trained, part) == 200
+    assert first.load(*trained, part) == 200
     again = IndexStoreActor(DIM, factory, 4, 0, restore)  # what Ray's restart runs
     assert again.rows() == 200
-    assert again.load(trained, part) == 200  # Ray's retry of load: nothing added twice
+    assert again.load(*trained, part) == 200  # Ray's retry of load: nothing added twice
     queries = _parts(20, 1, seed=1)[0]["u"]
     for modality in ("image", "text"):
         want, got = first.search(modality, queries, 5), again.search(modality, queries, 5)
@@ -62,7 +65,7 @@ def test_a_restarted_store_is_the_same_index(factory, tmp_path):
     # The store rebuilt from the table equals one built from the rows directly.
     plain = IndexStore(DIM, factory, 4, 0)
     plain.add(part)
-    plain.build(trained)
+    plain.build(None if factory == "Flat" else {**trained[0], **trained[1]})
     np.testing.assert_array_equal(
         plain.search("text", queries, 5)[1], again.search("text", queries, 5)[1]
     )

@@ -253,3 +253,41 @@ def test_auto_ivf_factory_trains_and_finds_neighbours():
     store.build(store.train())
     scores, found = store.search("image", u[:200], 1)
     assert (found[:, 0] == ids[:200]).mean() > 0.95  # each vector finds itself
+
+
+def test_each_modality_trains_alone_and_the_threaded_build_is_the_serial_one():
+    """The label stage trains the image and the text codebooks as two tasks and builds the two
+    indexes in two threads: both give exactly the indexes of one process doing it in turn."""
+    rng = np.random.default_rng(3)
+    n, dim, factory = 4_000, 16, "IVF16,SQ8"
+    u, v = (rng.standard_normal((n, dim)).astype(np.float32) for _ in range(2))
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    ids = rng.permutation(n).astype(np.int64)  # parts arrive out of id order
+    parts = [{"ids": ids[:1500], "u": u[:1500], "v": v[:1500]}]
+    parts.append({"ids": ids[1500:], "u": u[1500:], "v": v[1500:]})
+
+    def store() -> IndexStore:
+        s = IndexStore(dim, factory, nprobe=4, seed=0)
+        s.add(*parts)
+        return s
+
+    together = store().train()
+    alone = {m: store().train(modalities=(m,))[m] for m in ("image", "text")}
+    for modality in ("image", "text"):
+        np.testing.assert_array_equal(alone[modality], together[modality])
+    built = store()
+    built.build(together)
+    order = np.argsort(ids)
+    for modality, rows in (("image", u[order]), ("text", v[order])):
+        serial = IndexShard.build(
+            rows,
+            ids[order],
+            factory,
+            trained=faiss.deserialize_index(together[modality]),
+            nprobe=4,
+        )
+        np.testing.assert_array_equal(
+            faiss.serialize_index(built.indexes[modality].index),
+            faiss.serialize_index(serial.index),
+        )

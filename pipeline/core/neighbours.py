@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
@@ -31,6 +32,7 @@ __all__ = [
     "ROW_FIELDS",
     "BatchLookup",
     "IndexStore",
+    "MODALITIES",
     "NeighbourSearch",
     "ShardedNeighbours",
     "build_local_neighbours",
@@ -43,6 +45,8 @@ __all__ = [
 ]
 
 ROW_FIELDS = ("keys", "captions", "groups")  # stored per row besides the vectors u, v
+MODALITIES = ("image", "text")
+_COLUMN = {"image": "u", "text": "v"}  # each modality's stored vectors
 
 
 class NeighbourSearch(Protocol):
@@ -81,50 +85,70 @@ class IndexStore:
         self.parts.extend(parts)
         return sum(len(p["ids"]) for p in parts)
 
+    def _order(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids of the queued parts, their stable sort order)."""
+        ids = (
+            np.concatenate([p["ids"] for p in self.parts]) if self.parts else np.empty(0, np.int64)
+        )
+        return ids, np.argsort(ids, kind="stable")
+
+    def _stacked(self, name: str, order: np.ndarray) -> np.ndarray:
+        rows = [p[name] for p in self.parts]
+        stacked = np.concatenate(rows)[order] if rows else np.empty((0, self.dim), np.float32)
+        return np.ascontiguousarray(stacked, dtype=np.float32)
+
     def _gather(self) -> None:
-        parts = self.parts
-        ids = np.concatenate([p["ids"] for p in parts]) if parts else np.empty(0, np.int64)
-        order = np.argsort(ids, kind="stable")
+        ids, order = self._order()
         self.ids = ids[order]
-        stack = {}
-        for name in ("u", "v"):
-            rows = [p[name] for p in parts]
-            stack[name] = (
-                np.concatenate(rows)[order] if rows else np.empty((0, self.dim), np.float32)
-            )
-            stack[name] = np.ascontiguousarray(stack[name], dtype=np.float32)
-        self.u, self.v = stack["u"], stack["v"]
+        self.u, self.v = self._stacked("u", order), self._stacked("v", order)
         for name in ROW_FIELDS:
-            values = [p[name] for p in parts if name in p]
+            values = [p[name] for p in self.parts if name in p]
             setattr(self, name, np.concatenate(values)[order] if values else None)
         self.parts = []
 
-    def train(self, sample_size: int = 131_072) -> dict[str, bytes]:
-        """Train the factory on this store's rows; the serialized empty indexes by modality."""
+    def train(
+        self, sample_size: int = 131_072, modalities: Sequence[str] = MODALITIES
+    ) -> dict[str, np.ndarray]:
+        """Train the factory on this store's rows; the serialized empty indexes by modality.
+
+        Each modality trains on its own rows alone, so `train(modalities=("image",))` and
+        `train(modalities=("text",))` in two processes give exactly what one `train()` gives
+        (the label stage trains them as two tasks, in parallel when two CPUs are free).
+        """
         import faiss
 
-        self._gather()
         # faiss wants >= 39 training points per IVF list; auto's large factories need more
         # than the default sample.
         lists = re.search(r"IVF(\d+)", self.factory)
         sample_size = max(sample_size, 40 * int(lists.group(1))) if lists else sample_size
+        if self.parts:
+            _, order = self._order()
+            stacked = {name: self._stacked(_COLUMN[name], order) for name in modalities}
+        else:
+            stacked = {name: getattr(self, _COLUMN[name]) for name in modalities}
         out = {}
-        for name, rows in (("image", self.u), ("text", self.v)):
+        for name, rows in stacked.items():
             pick = np.random.default_rng(self.seed).permutation(rows.shape[0])[:sample_size]
             trained = train_index(self.factory, rows[np.sort(pick)], ngpu=len(self.gpus))
             out[name] = faiss.serialize_index(trained)
         return out
 
     def build(self, trained: dict | None = None) -> int:
-        """Index the rows (with `train`'s output for IVF/PQ); returns the row count."""
+        """Index the rows (with `train`'s output for IVF/PQ); returns the row count.
+
+        On CPU the two modalities are indexed in two threads (FAISS releases the GIL, and each
+        add runs on the process's own OpenMP threads, so the indexes are those of a serial
+        build); GPU indexes are built one after the other.
+        """
         import faiss
 
         if self.parts or self.ids is None:
             self._gather()
-        for name, rows in (("image", self.u), ("text", self.v)):
+
+        def index(name: str) -> IndexShard:
             base = None if trained is None else faiss.deserialize_index(trained[name])
-            self.indexes[name] = IndexShard.build(
-                rows,
+            return IndexShard.build(
+                getattr(self, _COLUMN[name]),
                 self.ids,
                 self.factory,
                 trained=base,
@@ -132,6 +156,12 @@ class IndexStore:
                 nprobe=self.nprobe,
                 seed=self.seed,
             )
+
+        if self.gpus:
+            self.indexes = {name: index(name) for name in MODALITIES}
+        else:
+            with ThreadPoolExecutor(len(MODALITIES)) as pool:
+                self.indexes = dict(zip(MODALITIES, pool.map(index, MODALITIES), strict=True))
         return int(self.ids.size)
 
     def search(self, modality: str, queries: np.ndarray, k: int):

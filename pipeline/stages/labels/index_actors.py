@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.core.neighbours import ROW_FIELDS, IndexStore, ShardedNeighbours
+from pipeline.core.neighbours import MODALITIES, ROW_FIELDS, IndexStore, ShardedNeighbours
 from pipeline.io.layout import RunLayout
 from pipeline.io.tables import (
     file_exists,
@@ -120,12 +120,14 @@ class IndexStoreActor(IndexStore):
     def rows(self) -> int:
         return 0 if self.ids is None else int(self.ids.size)
 
-    def load(self, trained: dict | None, *parts: dict) -> int:
-        """Add the rows, build, then write the restore table; returns the row count."""
+    def load(self, trained_image: dict | None, trained_text: dict | None, *parts: dict) -> int:
+        """Add the rows, build (IVF/PQ: with `train_task`'s codebooks of each modality), then
+        write the restore table; returns the row count."""
         if self.ids is not None and not self.parts and self.indexes:
             return int(self.ids.size)  # restored from the table: this call is Ray's retry
         self.parts = []
         self.add(*parts)
+        trained = None if trained_image is None else {**trained_image, **trained_text}
         rows = self.build(trained)
         for modality, blob in (trained or {}).items():
             with open_atomic(_codebook_path(self.restore, modality)) as handle:
@@ -176,11 +178,16 @@ def actor_neighbours(actors: list) -> ShardedNeighbours:
     return ShardedNeighbours(actors, _ray_dispatch)
 
 
-def train_task(dim: int, factory: str, nprobe: int | None, seed: int, *parts: dict) -> dict:
-    """The IVF/PQ codebooks trained on one store's rows (a plain task: lineage can redo it)."""
+def train_task(
+    dim: int, factory: str, nprobe: int | None, seed: int, modality: str, *parts: dict
+) -> dict:
+    """One modality's IVF/PQ codebooks, trained on one store's rows (a plain task: lineage
+    can redo it). The modalities train as two tasks: k-means runs on one thread (FAISS's
+    centroids differ bitwise between 1 and 2 OpenMP threads), so two tasks are how both
+    CPUs of a node work on it without changing the index."""
     store = IndexStore(dim, factory, nprobe, seed)
     store.add(*parts)
-    return store.train()
+    return store.train(modalities=(modality,))
 
 
 def _restore_dir(spec: LabelSpec) -> str:
@@ -208,11 +215,11 @@ def build_index_actors(spec: LabelSpec, row_refs: list, dim: int) -> tuple[list,
     n_actors = spec.index.shards
     index = (dim, spec.index.factory, spec.index.nprobe, spec.seed)
     parts = [[out[i] for out in row_refs] for i in range(n_actors)]
-    trained = None
+    trained = [None] * len(MODALITIES)
     if spec.index.factory.replace(" ", "") != "Flat":
-        # A ref: the codebooks go task -> actors without passing through the driver.
+        # Refs: the codebooks go task -> actors without passing through the driver.
         task = ray.remote(train_task).options(num_cpus=1, max_retries=3)
-        trained = task.remote(*index, *parts[0])
+        trained = [task.remote(*index, modality, *parts[0]) for modality in MODALITIES]
     # Resources only for a GPU index: once any resource is given Ray holds the actor's CPU for
     # its whole life instead of only to place it, and `index.shards` CPU actors on a 2-CPU node
     # would leave no CPU for the label tasks that query them (a silent hang). Without options
@@ -234,7 +241,7 @@ def build_index_actors(spec: LabelSpec, row_refs: list, dim: int) -> tuple[list,
         actor_class.remote(*index, f"{restore}/store_{i:03d}.parquet") for i in range(n_actors)
     ]
     # Refs passed as arguments: the rows go from the object store straight to each actor.
-    sizes = ray.get([actor.load.remote(trained, *parts[i]) for i, actor in enumerate(actors)])
+    sizes = ray.get([actor.load.remote(*trained, *parts[i]) for i, actor in enumerate(actors)])
     return actors, [int(size) for size in sizes]
 
 
