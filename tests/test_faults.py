@@ -6,7 +6,9 @@ nothing written twice.
 Every job runs as `python -m pipeline.cli run` in a subprocess (the driver). Kill points are
 deterministic: the test waits for a file the stage writes (its first output table, its first
 resume checkpoint) and only then removes the node that runs the stage's actor or kills the
-driver.
+driver. The label pass of this small job can end within a fraction of a second of its index
+actors' restore tables appearing, so for that loss the driver is paused (SIGSTOP) until the lost
+actor is back, which pins the loss between "the actors hold their rows" and "the pass ends".
 
 The job has a warm-up and no co-teaching round (`train.rounds: 0`): a co-teaching round runs
 the same stages again (embed, label pass, training that resumes from the same `resume.pt`
@@ -189,6 +191,25 @@ def _node_running(cluster, title: str):
     raise AssertionError(f"no worker node runs a {title!r} process")
 
 
+def _processes(title: str) -> set[int]:
+    """Pids of the live processes titled `ray::<title>...`."""
+    found = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if cmdline.startswith("ray::") and title in cmdline:
+            found.add(proc.pid)
+    return found
+
+
+def _wait_for_new_process(title: str, before: set[int], timeout: float = 60) -> None:
+    """Block until a `ray::<title>` process not in `before` runs (a restarted actor)."""
+    deadline = time.monotonic() + timeout
+    while not _processes(title) - before:
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {title} came back within {timeout}s of its node's loss")
+        time.sleep(0.1)
+
+
 # The stages in the order one job reaches them: (stage, file that shows it is under way, the
 # process whose node is removed then).
 NODE_LOSSES = (
@@ -213,10 +234,23 @@ def test_worker_nodes_lost_in_each_stage_change_no_label(nodes, corpus, referenc
     job per stage tripled the test's time."""
     output = tmp_path / "run"
     proc = _start(corpus, output, nodes.address)
-    for _, marker, title in NODE_LOSSES:
+    for stage, marker, title in NODE_LOSSES:
         _wait_for(proc, output, marker)
-        nodes.remove_node(_node_running(nodes, title))
-        nodes.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+        if stage != "labels":
+            nodes.remove_node(_node_running(nodes, title))
+            nodes.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+            continue
+        # The label tasks of 240 pairs take a fraction of a second once the actors hold their
+        # rows: the pass could end, and its actors be killed, before the node goes. The
+        # driver is paused until the lost actor is back (Ray restarts it either way).
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            before = _processes(title)
+            nodes.remove_node(_node_running(nodes, title))
+            nodes.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+            _wait_for_new_process(title, before)
+        finally:
+            proc.send_signal(signal.SIGCONT)
     _finish(proc, output)
     _assert_same_labels(_labels(output), reference)
     # the lost index actor came back with its index (not an empty one)
