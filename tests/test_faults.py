@@ -171,19 +171,26 @@ def nodes(cluster):
     return cluster
 
 
+def _processes(title: str) -> list[psutil.Process]:
+    """The live processes titled `title` (Ray names worker processes `ray::<Class>` or
+    `ray::<Class>.<method>`)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if cmdline.startswith("ray::") and title in cmdline:
+            found.append(proc)
+    return found
+
+
 def _node_running(cluster, title: str):
-    """The worker node whose raylet is an ancestor of a process titled `title` (Ray names
-    worker processes `ray::<Class>` or `ray::<Class>.<method>`)."""
+    """The worker node whose raylet is an ancestor of a process titled `title`."""
     from ray._private import ray_constants
 
     raylets = {
         node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid: node
         for node in cluster.worker_nodes
     }
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if not cmdline.startswith("ray::") or title not in cmdline:
-            continue
+    for proc in _processes(title):
         with contextlib.suppress(psutil.Error):
             for parent in proc.parents():
                 if parent.pid in raylets:
@@ -191,20 +198,11 @@ def _node_running(cluster, title: str):
     raise AssertionError(f"no worker node runs a {title!r} process")
 
 
-def _processes(title: str) -> set[int]:
-    """Pids of the live processes titled `ray::<title>...`."""
-    found = set()
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        if cmdline.startswith("ray::") and title in cmdline:
-            found.add(proc.pid)
-    return found
-
-
 def _wait_for_new_process(title: str, before: set[int], timeout: float = 60) -> None:
-    """Block until a `ray::<title>` process not in `before` runs (a restarted actor)."""
+    """Block until a `ray::<title>` process whose pid is not in `before` runs (a restarted
+    actor)."""
     deadline = time.monotonic() + timeout
-    while not _processes(title) - before:
+    while not {proc.pid for proc in _processes(title)} - before:
         if time.monotonic() > deadline:
             pytest.fail(f"no {title} came back within {timeout}s of its node's loss")
         time.sleep(0.1)
@@ -245,7 +243,7 @@ def test_worker_nodes_lost_in_each_stage_change_no_label(nodes, corpus, referenc
         # driver is paused until the lost actor is back (Ray restarts it either way).
         proc.send_signal(signal.SIGSTOP)
         try:
-            before = _processes(title)
+            before = {proc.pid for proc in _processes(title)}
             nodes.remove_node(_node_running(nodes, title))
             nodes.add_node(num_cpus=2, node_ip_address="127.0.0.1")
             _wait_for_new_process(title, before)

@@ -22,7 +22,7 @@ from pipeline.core.knn import (
     resolve_ngpu,
     train_index,
 )
-from pipeline.core.neighbours import IndexStore
+from pipeline.core.neighbours import MODALITIES, IndexStore
 
 
 def _unit(rows: int, dim: int, seed: int) -> np.ndarray:
@@ -273,8 +273,8 @@ def test_each_modality_trains_alone_and_the_threaded_build_is_the_serial_one():
         return s
 
     together = store().train()
-    alone = {m: store().train(modalities=(m,))[m] for m in ("image", "text")}
-    for modality in ("image", "text"):
+    alone = {m: store().train(modalities=(m,))[m] for m in MODALITIES}
+    for modality in MODALITIES:
         np.testing.assert_array_equal(alone[modality], together[modality])
     built = store()
     built.build(together)
