@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import subprocess
 from collections.abc import Iterator
 
 from pipeline.console import ConsoleFormatter, ConsoleHandler
@@ -33,3 +34,12 @@ def console_output() -> Iterator[list[str]]:
         logger.removeHandler(handler)
         logger.setLevel(level)
         lines.extend(out.getvalue().splitlines())
+
+
+def printed_before_timeout(exc: subprocess.TimeoutExpired, tail: int = 3000) -> str:
+    """The last `tail` characters of a timed-out child's stdout and of its stderr. What
+    `subprocess.run` collected before the timeout is bytes even with `text=True`."""
+    parts = (exc.stdout or b"", exc.stderr or b"")
+    return "\n".join(
+        (p.decode(errors="replace") if isinstance(p, bytes) else p)[-tail:] for p in parts
+    )

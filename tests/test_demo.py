@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from log_capture import printed_before_timeout
 
 from pipeline.data.synthetic import make_corpus
 
@@ -54,12 +55,8 @@ def test_demo_job_runs_from_the_cli(tmp_path):
             timeout=JOB_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired as exc:
-        # what the job had printed, as bytes (subprocess collects bytes until it times out)
-        printed = "".join(
-            part.decode(errors="replace") if isinstance(part, bytes) else part
-            for part in (exc.stdout or b"", exc.stderr or b"")
-        )
-        pytest.fail(f"the demo job ran past {JOB_TIMEOUT_S} s; it had printed:\n{printed[-4000:]}")
+        printed = printed_before_timeout(exc)
+        pytest.fail(f"the demo job ran past {JOB_TIMEOUT_S} s; it had printed:\n{printed}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "summary" in result.stdout and "quarantined:" in result.stdout
     metrics = json.loads((out / "metrics.json").read_text())

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from log_capture import printed_before_timeout
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.own_ray]
 
@@ -129,8 +130,8 @@ def test_two_workers_share_every_decision_and_end_by_themselves(corpus, tmp_path
             check=False,
         )
     except subprocess.TimeoutExpired as exc:
-        log = (exc.stdout or b"")[-3000:] + b"\n" + (exc.stderr or b"")[-3000:]
-        pytest.fail(f"two-worker training did not end by itself:\n{log.decode(errors='replace')}")
+        log = printed_before_timeout(exc)
+        pytest.fail(f"two-worker training did not end by itself:\n{log}")
     assert done.returncode == 0, done.stderr[-4000:]
     layout = RunLayout(str(tmp_path / "run"))
     warm = json.loads(Path(layout.train_summary(0)).read_text())
