@@ -233,3 +233,39 @@ def test_local_ray_listens_on_loopback_only(local_ray):
     assert listening, "expected Ray processes to listen on some port"
     exposed = [(c.laddr.ip, c.laddr.port) for c in listening if not _is_loopback(c.laddr.ip)]
     assert not exposed, f"Ray listens beyond loopback: {exposed}"
+
+
+def test_a_pooled_worker_reloads_a_checkpoint_rewritten_in_place(tmp_path):
+    """The CPU pass's task keeps its models between calls in one worker process; a checkpoint
+    rewritten at the same path (a round retrained by a rerun) must be loaded anew, not served
+    from that cache. Runs the task function in this process, as a pooled worker would."""
+    from pipeline.models import ModelSpec, load_clip, save_checkpoint_state_dict
+    from pipeline.stages.embed import EmbedSpec, embed_shards_on_cpu
+
+    summary = make_corpus(
+        tmp_path / "corpus", samples=24, samples_per_shard=24, test_samples=0, image_size=32
+    )
+    checkpoint = tmp_path / "model.pt"
+
+    def embed_with(seed: int, output: Path) -> np.ndarray:
+        save_checkpoint_state_dict(
+            load_clip(ModelSpec("ncl-tiny", None, seed=seed)).model, checkpoint
+        )
+        spec = EmbedSpec(
+            output=str(output),
+            round_index=0,
+            views={"a": ModelSpec("ncl-tiny", str(checkpoint))},
+            seed=0,
+            device="cpu",
+        )
+        rows = embed_shards_on_cpu({"path": np.array([summary.shards[0]])}, spec)
+        assert rows["embedded"].tolist() == [24]
+        table = pq.read_table(output / "rounds" / "0" / "embeddings" / "00000.parquet")
+        return table.column("cosine_a").to_numpy()
+
+    first = embed_with(0, tmp_path / "first")
+    assert np.array_equal(embed_with(0, tmp_path / "again"), first)  # same file: same model
+    rewritten = embed_with(1, tmp_path / "rewritten")
+    fresh = embed_with(1, tmp_path / "fresh")
+    assert not np.allclose(rewritten, first)
+    assert np.array_equal(rewritten, fresh)

@@ -45,6 +45,7 @@ __all__ = [
     "load_state_dict_strict",
     "read_state_dict",
     "save_checkpoint_state_dict",
+    "weights_version",
 ]
 
 # Prefixes that wrappers add to parameter names: DistributedDataParallel and torch.compile.
@@ -273,6 +274,21 @@ def check_weights_available(spec: ModelSpec) -> None:
 def is_url(path: str) -> bool:
     """An fsspec URL such as s3://bucket/run/model.pt (not a local path)."""
     return "://" in path and not path.startswith("file://")
+
+
+def weights_version(pretrained: str | None) -> int | None:
+    """A value that changes when the checkpoint file `pretrained` is rewritten (fsspec's
+    checksum of its listing: size and mtime, or the object's ETag on S3); None for a random
+    init or an open_clip tag, whose weights never change under one name."""
+    if pretrained is None:
+        return None
+    import fsspec
+
+    path = pretrained if is_url(pretrained) else os.path.expanduser(pretrained)
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    if not fs.isfile(fs_path):
+        return None
+    return fs.checksum(fs_path)
 
 
 def local_copy(url: str) -> str:

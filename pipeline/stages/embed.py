@@ -65,9 +65,10 @@ from pipeline.io.shards import (
 )
 from pipeline.io.tables import QUARANTINE_SCHEMA, embedding_schema, write_table_atomic
 from pipeline.models import LoadedClip, ModelSpec, encode_pairs, load_clip
+from pipeline.models.weights import weights_version
 from pipeline.run_state import STAGE_KEY_META
 
-__all__ = ["EmbedSpec", "EmbedShardStage", "SUMMARY_COLUMNS", "embed_shard"]
+__all__ = ["EmbedSpec", "EmbedShardStage", "SUMMARY_COLUMNS", "embed_shard", "embed_shards_on_cpu"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,21 +125,68 @@ def _preprocess(sample: DecodedSample | Rejection, loaded: LoadedClip):
     return sample, loaded.preprocess(sample.image)
 
 
+def _load_views(spec: EmbedSpec) -> dict[str, LoadedClip]:
+    # "auto" follows Ray's grant: a 0-GPU worker on a GPU node stays on CPU, and a granted
+    # GPU that CUDA cannot use fails here, not by silently embedding on CPU.
+    device = granted_device("embed worker") if spec.device == "auto" else spec.device
+    return {view: load_clip(model, device) for view, model in spec.views.items()}
+
+
+def _embed_paths(paths, spec: EmbedSpec, models, pool) -> dict[str, np.ndarray]:
+    rows = [embed_shard(str(path), spec, models, pool) for path in paths]
+    return {column: np.array([row[column] for row in rows]) for column in SUMMARY_COLUMNS}
+
+
 class EmbedShardStage:
-    """Ray Data actor: loads the views' models once, then embeds one shard per input row."""
+    """Ray Data actor (the GPU pass): loads the views' models once onto its GPU, then embeds
+    one shard per input row."""
 
     def __init__(self, spec: EmbedSpec):
         self.spec = spec
-        # "auto" follows Ray's grant: a 0-GPU actor on a GPU node stays on CPU, and a granted
-        # GPU that CUDA cannot use fails here, not by silently embedding on CPU.
-        device = granted_device("embed actor") if spec.device == "auto" else spec.device
-        self.models = {view: load_clip(model, device) for view, model in spec.views.items()}
+        self.models = _load_views(spec)
         self.pool = ThreadPoolExecutor(max_workers=spec.embed.decode_threads)
         torch.set_grad_enabled(False)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        rows = [embed_shard(str(path), self.spec, self.models, self.pool) for path in batch["path"]]
-        return {column: np.array([row[column] for row in rows]) for column in SUMMARY_COLUMNS}
+        return _embed_paths(batch["path"], self.spec, self.models, self.pool)
+
+
+# This worker process's models of its last CPU pass, under the key of `_views_key`.
+_process_views: dict[tuple, tuple[dict[str, LoadedClip], ThreadPoolExecutor]] = {}
+
+
+def _views_key(spec: EmbedSpec) -> tuple:
+    """What the loaded models depend on: a checkpoint rewritten at the same path (a retrained
+    round of a rerun) gets a new key through its file's version."""
+    views = tuple(
+        (view, model, weights_version(model.pretrained)) for view, model in spec.views.items()
+    )
+    return views, spec.device, spec.embed.decode_threads
+
+
+def embed_shards_on_cpu(batch: dict[str, np.ndarray], spec: EmbedSpec) -> dict[str, np.ndarray]:
+    """Ray Data task (the CPU pass): embeds one shard per input row on a pooled Ray worker.
+
+    Why tasks and not actors on CPU: Ray keeps idle task workers alive between passes (and
+    between the jobs of one driver), torch and open_clip already imported and the last pass's
+    models loaded, where each actor pool starts new processes that import both again: about
+    6 s per pass, most of a small pass. A GPU pass keeps its actors, which pin one device each.
+    """
+    key = _views_key(spec)
+    if key not in _process_views:
+        for _, old_pool in _process_views.values():
+            old_pool.shutdown()
+        _process_views.clear()  # one pass's models at a time: a worker's memory stays bounded
+        _process_views[key] = (
+            _load_views(spec),
+            ThreadPoolExecutor(max_workers=spec.embed.decode_threads),
+        )
+    models, pool = _process_views[key]
+    # What an actor of these CPUs gets from Ray's OMP_NUM_THREADS, set here because a pooled
+    # worker's torch keeps the thread count of whichever task used it first.
+    torch.set_num_threads(max(1, int(spec.embed.cpus_per_worker)))
+    with torch.no_grad():
+        return _embed_paths(batch["path"], spec, models, pool)
 
 
 def _decode_chunk(records, spec: EmbedSpec, loaded: LoadedClip, pool: ThreadPoolExecutor):
@@ -404,26 +452,37 @@ def _pool_size(spec: EmbedSpec, pending: int) -> tuple[int, float]:
 
 
 def _embed_pending(spec: EmbedSpec, pending: list[str], tally: _PassTally, started: float) -> None:
-    """Run the actor pool over `pending` shard paths, logging one line per finished shard."""
+    """Map `pending` shard paths onto GPU actors or CPU tasks, logging one line per finished
+    shard."""
     import ray
 
     size, use_gpus = _pool_size(spec, len(pending))
     cpus_per_worker = spec.embed.cpus_per_worker
+    workers = "actor(s)" if use_gpus else "task(s) at a time"
     logger.info(
-        f"embed round {spec.round_index}: {len(pending)} shards on {size} actor(s), "
+        f"embed round {spec.round_index}: {len(pending)} shards on {size} {workers}, "
         f"{use_gpus or 0:g} GPU and {cpus_per_worker:g} CPU each"
     )
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the pass shows its own progress (pipeline.progress)
     dataset = ray.data.from_items([{"path": p} for p in pending], override_num_blocks=len(pending))
-    summaries = dataset.map_batches(
-        EmbedShardStage,
-        fn_constructor_kwargs={"spec": spec},
-        batch_size=1,
-        compute=ray.data.ActorPoolStrategy(size=size),
-        num_cpus=cpus_per_worker,
-        num_gpus=use_gpus,
-    )
+    if use_gpus:
+        summaries = dataset.map_batches(
+            EmbedShardStage,
+            fn_constructor_kwargs={"spec": spec},
+            batch_size=1,
+            compute=ray.data.ActorPoolStrategy(size=size),
+            num_cpus=cpus_per_worker,
+            num_gpus=use_gpus,
+        )
+    else:
+        summaries = dataset.map_batches(
+            embed_shards_on_cpu,
+            fn_kwargs={"spec": spec},
+            batch_size=1,
+            compute=ray.data.TaskPoolStrategy(size=size),
+            num_cpus=cpus_per_worker,
+        )
     from pipeline.progress import Progress
 
     what = f"embed round {spec.round_index}"
