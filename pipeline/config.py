@@ -100,13 +100,13 @@ class EmbedConfig(_Section):
         "(docs/methods.md §1.1): less noisy losses for the mixtures; the model runs once.",
     )
     gpus_per_worker: float = Field(
-        1.0, ge=0, description="GPUs per embed actor when the cluster has GPUs (ignored on CPU)."
+        1.0, ge=0, description="GPUs per embed worker when the cluster has GPUs (ignored on CPU)."
     )
     cpus_per_worker: float = Field(
-        1.0, gt=0, description="CPUs reserved per embed actor (decode threads share them)."
+        1.0, gt=0, description="CPUs reserved per embed worker (decode threads share them)."
     )
     decode_threads: int = Field(
-        4, ge=1, description="Threads per actor decoding images while the model runs."
+        4, ge=1, description="Threads per embed worker decoding images while the model runs."
     )
     concurrency: int | Literal["auto"] = Field(
         "auto", description="Embed actors; auto = number of GPUs, or 1 per 2 CPUs without GPUs."

@@ -1,17 +1,17 @@
 """Resource preflight: before any work, can the cluster's nodes host what each stage requests?
 
 Ray never refuses a request no node can satisfy: it waits, forever, behind "No available node
-types can fulfill resource request" (an embed actor asking for more CPUs than any node has), or
+types can fulfill resource request" (an embed worker asking for more CPUs than any node has), or
 behind "Cluster resources are not enough to run any task" (training workers that leave no CPU
 for the Ray Data tasks reading their shards). `check_requests` is the pure part: planned
 requests and the nodes' resources in, the problems out, each naming the key to change;
 `check_cluster` reads the connected cluster and raises `JobConfigError` in seconds.
 
 What each stage asks of Ray (kept in step with the stages; docs/architecture.md §5):
-- embed: a pool of actors, each `embed.cpus_per_worker` CPUs (+ `embed.gpus_per_worker` GPUs
-  on a cluster with GPUs). Ray Data starts the pool's actors as resources allow and works with
-  those that run, so one actor must fit on one node; its input is in memory (`from_items`),
-  so no read task needs a CPU beside the actors.
+- embed: workers of `embed.cpus_per_worker` CPUs each (+ `embed.gpus_per_worker` GPUs on a
+  cluster with GPUs): an actor pool on GPUs, tasks on CPU. Ray Data starts as many as
+  resources allow and works with those that run, so one worker must fit on one node; its
+  input is in memory (`from_items`), so no read task needs a CPU beside the workers.
 - labels: `index.shards` actors held together for the whole pass (on CPU they hold no CPU,
   needing one only to be placed; with `index.gpus_per_actor` each holds those GPUs and one CPU)
   and 1-CPU shard tasks beside them.
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 class Request:
     """What one stage asks of Ray at once."""
 
-    what: str  # e.g. "embed actor"
+    what: str  # e.g. "embed worker"
     keys: str  # the job keys that set it, for the message
     unit: dict[str, float]  # resources of one actor/worker/task
     count: int = 1  # units that must all be placed at the same time (a gang)
@@ -112,7 +112,7 @@ def plan_requests(job: JobConfig, cluster_gpus: float) -> list[Request]:
     )
     requests = [
         Request(
-            "embed actor",
+            "embed worker",
             embed_keys,
             embed_unit,
             fix=f"lower {embed_keys}, or {more_cpus}",

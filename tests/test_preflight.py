@@ -27,7 +27,7 @@ def _problems(job: JobConfig, nodes: list[dict]) -> list[str]:
     return check_requests(plan_requests(job, sum(n.get("GPU", 0) for n in nodes)), nodes)
 
 
-def test_embed_actor_larger_than_every_node_is_refused():
+def test_embed_worker_larger_than_every_node_is_refused():
     job = _job(embed={"cpus_per_worker": 2})
     problems = _problems(job, [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}])
     assert len(problems) == 1 and "embed.cpus_per_worker" in problems[0], problems
@@ -56,7 +56,7 @@ def test_gpu_cluster_requests():
     # Three GPU workers on two GPUs: the placement group never forms.
     refused = _problems(_job(train={"workers": 3}), [gpu_node, gpu_node])
     assert len(refused) == 1 and "train.workers" in refused[0] and "3 GPU" in refused[0]
-    # An embed actor asking two GPUs on one-GPU nodes.
+    # An embed worker asking two GPUs on one-GPU nodes.
     refused = _problems(_job(embed={"gpus_per_worker": 2}), [gpu_node, gpu_node])
     assert len(refused) == 1 and "embed.gpus_per_worker" in refused[0], refused
 
@@ -117,7 +117,7 @@ def tiny_corpus(tmp_path_factory):
 def test_run_refuses_in_seconds_what_the_local_ray_cannot_host(
     local_ray, tiny_corpus, tmp_path, setting, key
 ):
-    """The session's local Ray has 2 CPUs: an embed actor of 3 CPUs would wait forever, and
+    """The session's local Ray has 2 CPUs: an embed worker of 3 CPUs would wait forever, and
     two training workers would leave no CPU for their readers."""
     from pipeline.config import load_job
     from pipeline.runner import run_job

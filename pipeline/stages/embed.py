@@ -92,7 +92,7 @@ SUMMARY_COLUMNS = (
 
 @dataclass(frozen=True)
 class EmbedSpec:
-    """Everything an embed actor needs; plain data so Ray can ship it to workers."""
+    """Everything an embed worker needs; plain data so Ray can ship it to workers."""
 
     output: str  # run directory
     round_index: int
