@@ -467,22 +467,19 @@ def _embed_pending(spec: EmbedSpec, pending: list[str], tally: _PassTally, start
     ctx.enable_progress_bars = False  # the pass shows its own progress (pipeline.progress)
     dataset = ray.data.from_items([{"path": p} for p in pending], override_num_blocks=len(pending))
     if use_gpus:
-        summaries = dataset.map_batches(
-            EmbedShardStage,
+        how = dict(
+            fn=EmbedShardStage,
             fn_constructor_kwargs={"spec": spec},
-            batch_size=1,
             compute=ray.data.ActorPoolStrategy(size=size),
-            num_cpus=cpus_per_worker,
             num_gpus=use_gpus,
         )
     else:
-        summaries = dataset.map_batches(
-            embed_shards_on_cpu,
+        how = dict(
+            fn=embed_shards_on_cpu,
             fn_kwargs={"spec": spec},
-            batch_size=1,
             compute=ray.data.TaskPoolStrategy(size=size),
-            num_cpus=cpus_per_worker,
         )
+    summaries = dataset.map_batches(**how, batch_size=1, num_cpus=cpus_per_worker)
     from pipeline.progress import Progress
 
     what = f"embed round {spec.round_index}"
