@@ -109,7 +109,8 @@ class EmbedConfig(_Section):
         4, ge=1, description="Threads per embed worker decoding images while the model runs."
     )
     concurrency: int | Literal["auto"] = Field(
-        "auto", description="Embed actors; auto = number of GPUs, or 1 per 2 CPUs without GPUs."
+        "auto",
+        description="Embed workers at a time; auto = number of GPUs, or 1 per 2 CPUs without GPUs.",
     )
 
     @field_validator("concurrency")

@@ -133,6 +133,8 @@ def _load_views(spec: EmbedSpec) -> dict[str, LoadedClip]:
 
 
 def _embed_paths(paths, spec: EmbedSpec, models, pool) -> dict[str, np.ndarray]:
+    # No grad-mode switch here: encode_pairs runs the models under no_grad, and a pooled CPU
+    # worker runs other tasks after this one.
     rows = [embed_shard(str(path), spec, models, pool) for path in paths]
     return {column: np.array([row[column] for row in rows]) for column in SUMMARY_COLUMNS}
 
@@ -145,7 +147,6 @@ class EmbedShardStage:
         self.spec = spec
         self.models = _load_views(spec)
         self.pool = ThreadPoolExecutor(max_workers=spec.embed.decode_threads)
-        torch.set_grad_enabled(False)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return _embed_paths(batch["path"], self.spec, self.models, self.pool)
@@ -185,8 +186,7 @@ def embed_shards_on_cpu(batch: dict[str, np.ndarray], spec: EmbedSpec) -> dict[s
     # What an actor of these CPUs gets from Ray's OMP_NUM_THREADS, set here because a pooled
     # worker's torch keeps the thread count of whichever task used it first.
     torch.set_num_threads(max(1, int(spec.embed.cpus_per_worker)))
-    with torch.no_grad():
-        return _embed_paths(batch["path"], spec, models, pool)
+    return _embed_paths(batch["path"], spec, models, pool)
 
 
 def _decode_chunk(records, spec: EmbedSpec, loaded: LoadedClip, pool: ThreadPoolExecutor):
