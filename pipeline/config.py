@@ -307,6 +307,13 @@ class TrainConfig(_Section):
         description="cosine_filter: share of pairs kept; null = the clean weight of the "
         "mixture fitted on the warmed models' losses.",
     )
+    filter_scorer: Literal["initial", "warmed"] | None = Field(
+        None,
+        description="cosine_filter: which model scores the pairs. initial: the model the job "
+        "starts from, once, before any training on the corpus (DataComp's CLIP-score filter); "
+        "warmed: the two warmed-up models (the small-loss criterion with 0/1 weights). null = "
+        "initial when model.pretrained is set, else warmed.",
+    )
     label_loss: Literal["weighted_infonce", "soft_margin_triplet"] = Field(
         "weighted_infonce",
         description="How co-teaching consumes soft labels: per-pair weights in InfoNCE (CLIP), "
@@ -424,6 +431,13 @@ class JobConfig(_Section):
                     f"where {'; '.join(problems)}; or set index.gpus_per_actor: 0 (CPU index)"
                 )
         return self
+
+    def filter_scorer(self) -> str:
+        """train.filter_scorer with its default resolved: a job that starts from pretrained
+        weights filters as DataComp does, with those weights (``initial``)."""
+        if self.train.filter_scorer is not None:
+            return self.train.filter_scorer
+        return "initial" if self.model.pretrained else "warmed"
 
     def stage_hash(self, *sections: str) -> str:
         """Short, stable hash of the named sections (all when none): the resume guard's key."""

@@ -269,8 +269,9 @@ def stage_graph(job) -> list[StageNode]:
         read = ()
         if job.train.mode == "coteach":
             read = labels_of[r]
-        elif job.train.mode == "cosine_filter":  # round 1's cosines and mixtures, every round
-            read = ("round1/embed", *labels_of[1])
+        elif job.train.mode == "cosine_filter":  # the scorer's cosines, round 1's mixtures
+            scored = "round0/embed" if job.filter_scorer() == "initial" else "round1/embed"
+            read = (scored, *labels_of[1])
         inputs = tuple(dict.fromkeys((embed, *models, *read)))
         nodes.append(StageNode(f"round{r}/train", "train", r, inputs))
         models = (f"round{r}/train",)

@@ -13,6 +13,8 @@ from pipeline.models import ModelSpec
 
 __all__ = ["coteach_spec", "decode_options", "round_models", "shard_sizes", "warmup_spec"]
 
+FILTER_COSINES = ("cosine_a", "cosine_b")  # the warmed scorer: both views' cosines
+
 
 def decode_options(job: JobConfig) -> DecodeOptions:
     return DecodeOptions(
@@ -151,9 +153,9 @@ def coteach_spec(
 
 
 def _cosine_filter(job: JobConfig, layout: RunLayout, sizes: dict[str, int], round_index: int):
-    """train.mode cosine_filter: the pairs kept by the warmed models' cosines (round 1's
-    embeddings), computed by round 1 and reused by every later round. Returns (folder, kept
-    per shard)."""
+    """train.mode cosine_filter: the pairs kept by the scorer's cosines (`job.filter_scorer()`:
+    the initial model's round-0 embeddings, or the warmed models' round-1 embeddings), computed
+    by round 1 and reused by every later round. Returns (folder, kept per shard)."""
     import pyarrow.parquet as pq
 
     from pipeline.core.mixture import MixtureFit
@@ -171,7 +173,11 @@ def _cosine_filter(job: JobConfig, layout: RunLayout, sizes: dict[str, int], rou
     # Round 1's training writes it (and its clear() deletes it first); later rounds read it.
     if round_index > 1 and file_exists(f"{folder}/_filter.json"):
         return folder, {s: pq.read_metadata(f"{folder}/{s}.parquet").num_rows for s in sizes}
-    embeddings = {shard: layout.embeddings(1, shard) for shard in sizes}
-    kept = write_cosine_filter(embeddings, folder, fraction)
-    write_json_atomic({"fraction": fraction, "kept": kept}, f"{folder}/_filter.json")
+    scorer = job.filter_scorer()
+    # Round 0 embeds one view (the initial model, 'a'); round 1 the two warmed models.
+    scored_round, columns = (0, ("cosine_a",)) if scorer == "initial" else (1, FILTER_COSINES)
+    embeddings = {shard: layout.embeddings(scored_round, shard) for shard in sizes}
+    kept = write_cosine_filter(embeddings, folder, fraction, columns)
+    summary = {"fraction": fraction, "scorer": scorer, "kept": kept}
+    write_json_atomic(summary, f"{folder}/_filter.json")
     return folder, kept

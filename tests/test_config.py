@@ -75,6 +75,18 @@ def test_errors_name_key_value_and_fix(tmp_path, overrides, expected):
         assert fragment in message, message
 
 
+def test_the_filter_scores_with_the_starting_model_when_it_is_pretrained(tmp_path):
+    """DataComp's filter scores once with an off-the-shelf CLIP: a job that starts from
+    pretrained weights filters with them; a random-init job with its warmed models."""
+    path = _job(tmp_path)
+    assert load_job(path).filter_scorer() == "warmed"
+    assert load_job(path, ["model.pretrained=/w/teacher.pt"]).filter_scorer() == "initial"
+    chosen = load_job(path, ["model.pretrained=/w/t.pt", "train.filter_scorer=warmed"])
+    assert chosen.filter_scorer() == "warmed"
+    with pytest.raises(JobConfigError, match="filter_scorer"):
+        load_job(path, ["train.filter_scorer=teacher"])
+
+
 def test_missing_key_and_bad_files(tmp_path):
     with pytest.raises(JobConfigError, match="missing required key 'output'"):
         load_job(_job(tmp_path, MINIMAL.replace("output: runs/t\n", "")))
@@ -102,7 +114,7 @@ def test_committed_schemas_are_current():
     assert {"name", "input", "output", "model"} <= set(schema["required"])
 
 
-@pytest.mark.parametrize("name", ["demo", "demo-full", "cc3m"])
+@pytest.mark.parametrize("name", ["demo", "demo-full", "demo-web", "teacher", "cc3m"])
 def test_shipped_jobs_validate(name):
     job = load_job(ROOT / "jobs" / f"{name}.yaml")
     assert job.name == name

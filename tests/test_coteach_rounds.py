@@ -202,3 +202,31 @@ def test_cosine_filter_trains_on_the_highest_cosine_pairs(sps_run, tmp_path):
     assert min(scores[k] for k in chosen) >= max(s for k, s in scores.items() if k not in chosen)
     trained = metrics["rounds"]["1"]["train"]["views"]["A"]
     assert trained["steps"] == kept // 32  # only the kept pairs, full batches of 32
+
+
+@pytest.mark.parametrize(
+    ("scorer", "scored_round", "columns"),
+    [("initial", 0, ["cosine_a"]), ("warmed", 1, ["cosine_a", "cosine_b"])],
+)
+def test_the_filter_scores_with_the_initial_or_the_warmed_models(
+    sps_run, tmp_path, scorer, scored_round, columns
+):
+    """train.filter_scorer initial keeps the top pairs by the job's starting model (round 0's
+    one view, scored once: DataComp's filter); warmed by the mean of the two warmed models."""
+    from pipeline.train_specs import _cosine_filter
+
+    job = _one_round_after(
+        sps_run, tmp_path / scorer, "cosine_filter", filter_fraction=0.4, filter_scorer=scorer
+    )
+    layout = RunLayout(job.output)
+    sizes = {p.stem: 0 for p in Path(layout.embeddings_dir(1)).glob("*.parquet")}
+    folder, kept = _cosine_filter(job, layout, sizes, 1)
+    assert json.loads(Path(folder, "_filter.json").read_text())["scorer"] == scorer
+    embedded = pq.read_table(Path(layout.round_dir(scored_round), "embeddings"))
+    mean = sum(embedded.column(c).to_numpy() for c in columns) / len(columns)
+    scores = dict(zip(embedded.column("key").to_pylist(), mean, strict=True))
+    chosen = set()
+    for path in Path(folder).glob("*.parquet"):
+        chosen |= set(pq.read_table(path).column("key").to_pylist())
+    assert len(chosen) == sum(kept.values()) == round(0.4 * len(scores))
+    assert min(scores[k] for k in chosen) >= max(s for k, s in scores.items() if k not in chosen)

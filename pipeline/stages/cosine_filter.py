@@ -1,9 +1,11 @@
 """CLIP-score filtering, the baseline users would otherwise pick (train.mode: cosine_filter).
 
 Contract:
-- `write_cosine_filter(embeddings, out_dir, fraction)` keeps the `fraction` of the embedded pairs
-  with the highest cosine under the two models (the mean of views a and b: the co-teaching
-  inference rule) and writes, per shard, `out_dir/<shard>.parquet` with the kept keys and
+- `write_cosine_filter(embeddings, out_dir, fraction, columns)` keeps the `fraction` of the
+  embedded pairs with the highest cosine: the mean of `columns`, either the initial model's
+  ``cosine_a`` of round 0 (DataComp: a fixed scorer that never saw the corpus) or the two
+  warmed models' ``cosine_a`` and ``cosine_b`` of round 1 (the co-teaching inference rule). It
+  writes, per shard, `out_dir/<shard>.parquet` with the kept keys and
   soft_label 1 (the trainer then fine-tunes on exactly those pairs, as DataComp's CLIP-score
   baseline does). Ties are broken by global sample id, so the kept set does not depend on
   sharding. Returns the kept pairs per shard (the trainer's samples per shard).
@@ -35,13 +37,13 @@ FILTER_SCHEMA = pa.schema(
 _OPTIONS = {"num_cpus": 1, "max_retries": 3}
 
 
-def _scores(path: str, offset: int) -> tuple[list[str], np.ndarray, np.ndarray]:
+def _scores(
+    path: str, offset: int, columns: tuple[str, ...]
+) -> tuple[list[str], np.ndarray, np.ndarray]:
     """(keys, order keys of -mean cosine: ascending = most similar first, global ids)."""
-    table = read_table(path, ["key", "cosine_a", "cosine_b"])
-    mean = 0.5 * (
-        table.column("cosine_a").to_numpy().astype(np.float32)
-        + table.column("cosine_b").to_numpy().astype(np.float32)
-    )
+    table = read_table(path, ["key", *columns])
+    cosines = [table.column(c).to_numpy().astype(np.float32) for c in columns]
+    mean = (sum(cosines) / np.float32(len(columns))).astype(np.float32)
     mean = np.where(np.isfinite(mean), mean, np.float32(-2.0))  # never above a real cosine
     ids = offset + np.arange(table.num_rows, dtype=np.int64)
     return table.column("key").to_pylist(), order_keys(-mean), ids
@@ -51,13 +53,13 @@ def _rows_task(path: str) -> int:
     return read_table(path, ["key"]).num_rows
 
 
-def _select_task(path: str, offset: int, prefix: tuple[int, ...], fetch: bool):
-    _, keys, ids = _scores(path, offset)
+def _select_task(path: str, offset: int, columns, prefix: tuple[int, ...], fetch: bool):
+    _, keys, ids = _scores(path, offset, columns)
     return select_round(keys, ids, prefix, fetch)
 
 
-def _write_task(path: str, offset: int, cut, out_path: str) -> int:
-    names, keys, ids = _scores(path, offset)
+def _write_task(path: str, offset: int, columns, cut, out_path: str) -> int:
+    names, keys, ids = _scores(path, offset, columns)
     kept = at_or_below(keys, ids, cut) if cut is not None else np.zeros(len(names), bool)
     table = pa.table(
         [
@@ -71,14 +73,19 @@ def _write_task(path: str, offset: int, cut, out_path: str) -> int:
 
 
 def write_cosine_filter(
-    embeddings: dict[str, str], out_dir: str, fraction: float, fetch_limit: int = 65536
+    embeddings: dict[str, str],
+    out_dir: str,
+    fraction: float,
+    columns: tuple[str, ...] = ("cosine_a", "cosine_b"),
+    fetch_limit: int = 65536,
 ) -> dict[str, int]:
-    """Keep the top `fraction` of pairs by mean cosine of views a and b.
+    """Keep the top `fraction` of pairs by the mean of the cosine `columns`.
 
     Args:
-        embeddings: {shard name: its embeddings table (with cosine_a and cosine_b)}, in order.
+        embeddings: {shard name: its embeddings table (with `columns`)}, in order.
         out_dir: where `<shard>.parquet` (key, soft_label = 1) go.
         fraction: share of the embedded pairs to keep, in (0, 1].
+        columns: the embeddings' cosine columns to average, one per scoring model.
 
     Returns:
         {shard: pairs kept}.
@@ -96,7 +103,10 @@ def write_cosine_filter(
 
     def run_round(prefix, fetch):
         return ray.get(
-            [select.remote(p, o, prefix, fetch) for p, o in zip(paths, offsets, strict=True)]
+            [
+                select.remote(p, o, columns, prefix, fetch)
+                for p, o in zip(paths, offsets, strict=True)
+            ]
         )
 
     cut = None
@@ -106,12 +116,12 @@ def write_cosine_filter(
     write = ray.remote(_write_task).options(**_OPTIONS)
     kept = ray.get(
         [
-            write.remote(p, o, cut, f"{out_dir}/{s}.parquet")
+            write.remote(p, o, columns, cut, f"{out_dir}/{s}.parquet")
             for s, p, o in zip(shards, paths, offsets, strict=True)
         ]
     )
     logger.info(
-        f"cosine filter: kept {sum(kept)} of {total} pairs ({fraction:.1%}, highest mean cosine "
-        f"of the two models) -> {out_dir}"
+        f"cosine filter: kept {sum(kept)} of {total} pairs ({fraction:.1%}, highest mean of "
+        f"{', '.join(columns)}) -> {out_dir}"
     )
     return dict(zip(shards, kept, strict=True))
