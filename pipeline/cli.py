@@ -241,11 +241,16 @@ def export(
 
 
 @app.command(hidden=True)
-def schemas(out: Path = typer.Option(Path("schemas"), help="Folder for the JSON exports.")) -> None:
-    """Regenerate the JSON schemas under schemas/ from the code."""
-    from pipeline.schemas import write_schemas
+def schemas(
+    out: Path = typer.Option(Path("schemas"), help="Folder for the JSON exports."),
+    config_doc: Path = typer.Option(
+        Path("docs/config.md"), help="Where to write the job file reference (Markdown)."
+    ),
+) -> None:
+    """Regenerate the JSON schemas under schemas/ and docs/config.md from the code."""
+    from pipeline.schemas import write_config_reference, write_schemas
 
-    for path in write_schemas(out):
+    for path in [*write_schemas(out), write_config_reference(config_doc)]:
         typer.echo(f"wrote {path}")
 
 
