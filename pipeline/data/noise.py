@@ -14,6 +14,7 @@ Contract (part of :mod:`pipeline.data.synthetic`; the NCR / BiCro noise protocol
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +42,7 @@ __all__ = [
     "apply_corruption",
     "apply_noise",
     "draw_samples",
+    "fraction_count",
 ]
 
 KIND_DEGREES: dict[str, float] = {"clean": 1.0, "partial": 0.5, "mismatched": 0.0}
@@ -53,6 +55,12 @@ CORRUPT_MODES: tuple[str, ...] = (
 )
 # A mismatched caption that differed in one attribute only would be a partial pair in disguise.
 MIN_MISMATCH_DIFF = 2
+
+
+def fraction_count(fraction: float, n: int) -> int:
+    """``floor(fraction * n)``, the number of samples a fraction stands for."""
+    # The epsilon absorbs float representation (0.29 * 100 == 28.999999999999996).
+    return int(math.floor(fraction * n + 1e-9))
 
 
 @dataclass(frozen=True)

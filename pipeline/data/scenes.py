@@ -7,7 +7,14 @@ Contract (part of :mod:`pipeline.data.synthetic`):
   attribute is always visible in the text, and :func:`parse_caption` inverts every caption.
 - :func:`draw_scene` is a pure function of the scene, the image size and the generator it is
   given: the same generator state gives the same pixels. Object colours always contrast with
-  the background (``ALLOWED_COLOURS``), so every attribute stays visible at 64 px.
+  the background (``ALLOWED_COLOURS``), so every attribute stays visible at 64 px. The web
+  noise model's extras (unmentioned :class:`Distractor` objects, a low ``contrast``) are
+  keyword arguments that draw nothing from the generator when absent, so the ``ncr`` corpus
+  keeps its pixels.
+- Caption styles besides the full one: :func:`render_short_caption` (shape plus two more
+  attributes), :func:`render_alt_text` (junk tokens around a caption) and
+  :func:`render_teacher_caption` (shape, colour, size, background: never count or position).
+  :func:`caption_attributes` reads the attributes that a full, short or alt-text caption names.
 """
 
 from __future__ import annotations
@@ -23,20 +30,29 @@ from PIL import Image, ImageDraw
 
 __all__ = [
     "ALLOWED_COLOURS",
+    "ALT_JUNK",
     "ATTRIBUTES",
     "BACKGROUNDS",
     "COLOURS",
     "COUNTS",
     "POSITIONS",
+    "RADII",
     "SHAPES",
+    "SHORT_ATTRIBUTES",
     "SIZES",
+    "TEACHER_TEMPLATES",
     "TEMPLATES",
+    "Distractor",
     "Scene",
+    "caption_attributes",
     "draw_scene",
     "encode_jpeg",
     "n_differences",
     "parse_caption",
+    "render_alt_text",
     "render_caption",
+    "render_short_caption",
+    "render_teacher_caption",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -86,6 +102,7 @@ _PLURALS = {shape: shape + ("es" if shape.endswith("s") else "s") for shape in S
 
 # Geometry, as fractions of the image side. Large objects must still fit three in a row.
 _RADIUS = {"small": 0.085, "large": 0.14}
+RADII: dict[str, float] = _RADIUS  # public: the web noise model sizes its distractors from it
 _ANCHORS = {
     "left": (0.27, 0.5),
     "right": (0.73, 0.5),
@@ -108,6 +125,17 @@ class Scene:
     position: str  # one of POSITIONS
     count: int  # one of COUNTS; all objects share shape, colour and size
     background: str  # one of BACKGROUNDS
+
+
+@dataclass(frozen=True)
+class Distractor:
+    """An object in the image that the caption does not mention (web noise model: clutter)."""
+
+    shape: str  # one of SHAPES, not the scene's
+    colour: str  # one of COLOURS, not the scene's, visible on its background
+    x: float  # centre, as a fraction of the image side
+    y: float
+    radius: float  # nominal radius, as a fraction of the image side
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,6 +235,121 @@ def n_differences(a: Scene, b: Scene) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# Other caption styles (the web noise model and the teacher corpus)
+
+# A short caption names the shape and two of these (never the count: its noun is singular with
+# an article for one object, a bare plural otherwise).
+SHORT_ATTRIBUTES: tuple[str, ...] = ("colour", "size", "position", "background")
+# Alt-text junk: none of these words occurs in a caption, so caption_attributes can strip them.
+ALT_JUNK: tuple[str, ...] = (
+    "hd", "free download", "4k", "stock", "wallpaper", "high resolution", "royalty free",
+    "jpg", "png", "download", "hq", "img", "vector", "clipart",
+)  # fmt: skip
+_ALT_SEPARATORS = (" ", " - ", " | ")
+# Teacher captions: shape, colour, size and background only. No count word, no plural, no
+# position phrase: the blind spots of an off-the-shelf CLIP.
+TEACHER_TEMPLATES: tuple[str, ...] = (
+    "{size} {colour} {shape} on {a_bg} background",
+    "{colour} {shape}, {size}, {bg} background",
+    "{bg} background with {size} {colour} {shape}",
+    "photo of {size} {colour} {shape} against {a_bg} backdrop",
+    "{size} {colour} {shape} shape, {bg} backdrop",
+    "picture: {colour} {shape} ({size}) on {bg}",
+)
+
+
+def render_short_caption(scene: Scene, named: Sequence[str], variant: int = 0) -> str:
+    """A correct caption naming the shape and the attributes `named` (from SHORT_ATTRIBUTES).
+
+    Returns e.g. ``"a small red star"`` or ``"red stars on a grey background"``: the count is
+    never named (singular with an article for one object, a bare plural otherwise).
+    """
+    unknown = set(named) - set(SHORT_ATTRIBUTES)
+    if unknown:
+        raise ValueError(f"a short caption names only {SHORT_ATTRIBUTES}, got {sorted(unknown)}")
+    words = [getattr(scene, a) for a in ("size", "colour") if a in named]
+    words.append(scene.shape if scene.count == 1 else _PLURALS[scene.shape])
+    text = " ".join(words)
+    if scene.count == 1:
+        text = f"{_article(text)} {text}"
+    if "position" in named:
+        phrases = _POSITION_PHRASES[scene.position]
+        text += " " + phrases[variant % len(phrases)]
+    if "background" in named:
+        text += f" on {_article(scene.background)} {scene.background} background"
+    return text
+
+
+def render_alt_text(caption: str, prefix: Sequence[str], suffix: Sequence[str], sep: int) -> str:
+    """`caption` with junk tokens before and after it, as scraped alt texts carry them.
+
+    Args:
+        caption: a full or short caption.
+        prefix, suffix: tokens (ALT_JUNK entries or ``IMG_1234``-like file names).
+        sep: index into the separators " ", " - ", " | " between the junk and the caption.
+    """
+    join = _ALT_SEPARATORS[sep % len(_ALT_SEPARATORS)]
+    return join.join(
+        [*([" ".join(prefix)] if prefix else []), caption, *([" ".join(suffix)] if suffix else [])]
+    )
+
+
+def render_teacher_caption(scene: Scene, template: int = 0) -> str:
+    """A teacher-corpus caption: shape, colour, size, background; never count or position."""
+    return TEACHER_TEMPLATES[template % len(TEACHER_TEMPLATES)].format(
+        size=scene.size,
+        colour=scene.colour,
+        shape=scene.shape,
+        a_bg=f"{_article(scene.background)} {scene.background}",
+        bg=scene.background,
+    )
+
+
+_JUNK = rf"(?:{_alternation(ALT_JUNK)}|IMG_\d{{4}}|DSC\d{{5}})"
+_JUNK_RUN = rf"{_JUNK}(?: {_JUNK})*"
+_SEP = r"(?: - | \| | )"
+_ALT = re.compile(rf"^(?:{_JUNK_RUN}{_SEP})?(?P<body>.+?)(?:{_SEP}{_JUNK_RUN})?$")
+_SHORT = re.compile(
+    rf"^(?:(?P<article>a|an) )?(?:(?P<size>{_alternation(SIZES)}) )?"
+    rf"(?:(?P<colour>{_alternation(list(COLOURS))}) )?"
+    rf"(?P<noun>{_alternation(list(SHAPES) + list(_PLURALS.values()))})"
+    rf"(?: (?P<pos>{_alternation(list(_PHRASE_TO_POSITION))}))?"
+    rf"(?: on (?:a|an) (?P<bg>{_alternation(list(BACKGROUNDS))}) background)?$"
+)
+
+
+def caption_attributes(caption: str) -> dict[str, object] | None:
+    """The attributes a full, short or alt-text caption names (alt-text junk stripped).
+
+    Returns:
+        ``{attribute: value}`` with all six attributes for a full caption, the shape and the
+        named ones for a short caption (no ``count``: a short caption does not name it), or
+        None for any other text (boilerplate, page captions, teacher captions).
+    """
+    match = _ALT.match(caption)
+    body = caption if match is None else match["body"]
+    for text in dict.fromkeys((caption, body)):
+        scene = parse_caption(text)
+        if scene is not None:
+            return {name: getattr(scene, name) for name in ATTRIBUTES}
+    for text in dict.fromkeys((caption, body)):
+        short = _SHORT.match(text)
+        if short is None:
+            continue
+        singular = short["noun"] in SHAPES
+        if singular != (short["article"] is not None):
+            continue  # "a stars" or "red star": not a caption we write
+        named: dict[str, object] = {"shape": _NOUN_TO_SHAPE[short["noun"]]}
+        for name, group in (("size", "size"), ("colour", "colour"), ("background", "bg")):
+            if short[group] is not None:
+                named[name] = short[group]
+        if short["pos"] is not None:
+            named["position"] = _PHRASE_TO_POSITION[short["pos"]]
+        return named
+    return None
+
+
+# --------------------------------------------------------------------------------------------
 # Drawing
 
 
@@ -261,12 +404,52 @@ def _jitter_rgb(
     return r, g, b
 
 
-def draw_scene(scene: Scene, image_size: int, rng: np.random.Generator) -> Image.Image:
-    """Draw `scene` as an RGB image of side `image_size` with light jitter and pixel noise."""
+def _toward(rgb: tuple[int, int, int], bg: tuple[int, int, int], distance: float) -> tuple:
+    """`rgb` moved along the line to `bg` until it lies `distance` away from `bg`."""
+    full = math.dist(rgb, bg)
+    t = min(1.0, distance / full) if full > 0 else 1.0
+    return tuple(int(round(b + (c - b) * t)) for c, b in zip(rgb, bg, strict=True))
+
+
+def _draw_object(draw, shape: str, cx: float, cy: float, r: float, rot: float, fill) -> None:
+    if shape == "circle":
+        draw.ellipse((cx - 0.95 * r, cy - 0.95 * r, cx + 0.95 * r, cy + 0.95 * r), fill=fill)
+    else:
+        draw.polygon(_shape_points(shape, cx, cy, r, rot), fill=fill)
+
+
+def draw_scene(
+    scene: Scene,
+    image_size: int,
+    rng: np.random.Generator,
+    *,
+    distractors: Sequence[Distractor] = (),
+    contrast: float | None = None,
+) -> Image.Image:
+    """Draw `scene` as an RGB image of side `image_size` with light jitter and pixel noise.
+
+    Args:
+        scene: what the image shows.
+        image_size: side in pixels.
+        rng: the pixel stream (jitter, object placement, noise).
+        distractors: unmentioned objects drawn under the scene's objects; none draws nothing
+            from `rng`.
+        contrast: the RGB distance between the object and the background colour (the object
+            colour is moved toward the background along the line between them); None keeps
+            the palette's colour (at least ``_MIN_CONTRAST`` away).
+    """
     side = image_size * _SUPERSAMPLE
-    img = Image.new("RGB", (side, side), _jitter_rgb(BACKGROUNDS[scene.background], rng, 10, 3))
+    background = _jitter_rgb(BACKGROUNDS[scene.background], rng, 10, 3)
+    img = Image.new("RGB", (side, side), background)
     draw = ImageDraw.Draw(img)
     colour = _jitter_rgb(COLOURS[scene.colour], rng, 10, 6)
+    if contrast is not None:
+        colour = _toward(colour, background, contrast)
+    for extra in distractors:
+        fill = _jitter_rgb(COLOURS[extra.colour], rng, 10, 6)
+        r = extra.radius * rng.uniform(0.9, 1.1) * side
+        rot = rng.uniform(-0.14, 0.14)
+        _draw_object(draw, extra.shape, extra.x * side, extra.y * side, r, rot, fill)
     radius = _RADIUS[scene.size]
     ax, ay = _ANCHORS[scene.position]
     # Several objects line up across the position's axis: a column on the left/right, a row
@@ -280,10 +463,7 @@ def draw_scene(scene: Scene, image_size: int, rng: np.random.Generator) -> Image
         r = radius * rng.uniform(0.9, 1.1) * side
         cx, cy = cx * side, cy * side
         rot = rng.uniform(-0.14, 0.14)  # ~8 degrees: never enough to turn a square into a diamond
-        if scene.shape == "circle":
-            draw.ellipse((cx - 0.95 * r, cy - 0.95 * r, cx + 0.95 * r, cy + 0.95 * r), fill=colour)
-        else:
-            draw.polygon(_shape_points(scene.shape, cx, cy, r, rot), fill=colour)
+        _draw_object(draw, scene.shape, cx, cy, r, rot, colour)
     img = img.reduce(_SUPERSAMPLE)
     pixels = np.asarray(img, dtype=np.int16) + rng.integers(
         -4, 5, (image_size, image_size, 3), dtype=np.int16
@@ -291,8 +471,8 @@ def draw_scene(scene: Scene, image_size: int, rng: np.random.Generator) -> Image
     return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB")
 
 
-def encode_jpeg(img: Image.Image) -> bytes:
+def encode_jpeg(img: Image.Image, quality: int = _JPEG_QUALITY) -> bytes:
     buf = io.BytesIO()
     # 4:4:4 chroma: 4:2:0 would smear the colour of 10 px objects into the background.
-    img.save(buf, format="JPEG", quality=_JPEG_QUALITY, subsampling=0)
+    img.save(buf, format="JPEG", quality=quality, subsampling=0)
     return buf.getvalue()

@@ -39,6 +39,7 @@ The scenes and captions live in :mod:`pipeline.data.scenes`, the sampling and no
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -47,8 +48,8 @@ import os
 import re
 import tarfile
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +64,7 @@ from pipeline.data.noise import (
     apply_corruption,
     apply_noise,
     draw_samples,
+    fraction_count,
 )
 from pipeline.data.scenes import (
     ATTRIBUTES,
@@ -79,6 +81,16 @@ from pipeline.data.scenes import (
     parse_caption,
     render_caption,
 )
+from pipeline.data.web_noise import (
+    NOISE_TYPES,
+    WebNoise,
+    WebSample,
+    apply_web_noise,
+    draw_pages,
+    draw_teacher_rows,
+    noise_type_counts,
+    render_jpeg,
+)
 
 __all__ = [
     "ATTRIBUTES",
@@ -87,9 +99,12 @@ __all__ = [
     "COUNTS",
     "CORRUPT_MODES",
     "GROUND_TRUTH_SCHEMA",
+    "GROUND_TRUTH_V2_SCHEMA",
     "IMG2DATASET_SCHEMA",
     "KIND_DEGREES",
     "MIN_MISMATCH_DIFF",
+    "NOISE_MODELS",
+    "NOISE_TYPES",
     "POSITIONS",
     "SHAPES",
     "SIZES",
@@ -98,6 +113,7 @@ __all__ = [
     "VAL_SHARD_OFFSET",
     "CorpusSummary",
     "Scene",
+    "WebNoise",
     "make_corpus",
     "parse_caption",
     "render_caption",
@@ -112,6 +128,9 @@ _MAX_PER_SHARD = 10_000  # the 4-digit in-shard part of a key
 # Seed streams: independent numpy Generators per purpose, so e.g. changing `corrupt` does not
 # reshuffle which samples are noisy.
 _STREAM_SCENES, _STREAM_NOISE, _STREAM_CORRUPT, _STREAM_PIXELS = 1, 2, 3, 4
+# The web and teacher corpora draw from streams of their own; the ncr streams stay untouched.
+_STREAM_WEB_PAGES, _STREAM_WEB_NOISE, _STREAM_WEB_PIXELS, _STREAM_TEACHER = 5, 6, 7, 8
+NOISE_MODELS: tuple[str, ...] = ("ncr", "web", "teacher")
 _SPLIT_TRAIN, _SPLIT_TEST, _SPLIT_VAL = 0, 1, 2
 
 _SHARD_FILE = re.compile(r"^\d{5}(\.tar|\.parquet|_stats\.json)(\.tmp)?$")
@@ -145,6 +164,20 @@ GROUND_TRUTH_SCHEMA = pa.schema(
     ],
     metadata={"ncl.schema": "ground_truth.v1"},
 )
+# The web and teacher corpora: v1's columns (degree per row: page captions are partial at
+# 0.25) plus the noise type and the per-row subgroups of per-subgroup retrieval.
+GROUND_TRUTH_V2_SCHEMA = pa.schema(
+    [
+        *GROUND_TRUTH_SCHEMA,
+        pa.field("noise_type", pa.string(), nullable=False),  # a NOISE_TYPES entry
+        pa.field("cluttered", pa.bool_(), nullable=False),  # unmentioned distractor objects
+        pa.field("low_contrast", pa.bool_(), nullable=False),  # object close to the background
+        pa.field("caption_style", pa.string(), nullable=True),  # full|short|alt|teacher|null
+        pa.field("page", pa.int32(), nullable=True),  # page within the split; null: teacher
+        pa.field("duplicate_of", pa.string(), nullable=True),  # key whose image a dup copies
+    ],
+    metadata={"ncl.schema": "ground_truth.v2"},
+)
 
 
 @dataclass(frozen=True)
@@ -165,6 +198,9 @@ class CorpusSummary:
     corrupt: int  # training samples with a damaged member
     corrupt_counts: dict[str, int]  # per CORRUPT_MODES entry (zeros included)
     seed: int
+    noise_model: str = "ncr"  # one of NOISE_MODELS
+    # training samples per NOISE_TYPES entry, zeros included (web, teacher); empty for ncr
+    noise_type_counts: dict[str, int] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,16 +244,16 @@ def _write_shard(
     shard: str,
     samples: Sequence[Sample],
     image_size: int,
-    rng: np.random.Generator,
+    jpegs: Iterable[bytes],
 ) -> Path:
-    """Write `shard`.tar, .parquet and _stats.json for `samples`; return the tar path."""
+    """Write `shard`.tar, .parquet and _stats.json for `samples` (their images are `jpegs`, in
+    the same order, made lazily); return the tar path."""
     start = time.time()
     rows = []
     tar_path = directory / f"{shard}.tar"
     tmp = directory / f"{shard}.tar.tmp"
     with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
-        for sample in samples:
-            jpg = encode_jpeg(draw_scene(sample.scene, image_size, rng))
+        for sample, jpg in zip(samples, jpegs, strict=True):
             caption = "" if sample.corrupt == "empty_caption" else sample.noisy_caption
             meta = {
                 "url": f"https://example.invalid/img/{sample.key}.jpg",
@@ -262,24 +298,41 @@ def _write_shard(
     return tar_path
 
 
-def _write_ground_truth(path: Path, samples: Sequence[Sample], params: dict) -> None:
+def _write_ground_truth(path: Path, samples: Sequence[Sample | WebSample], params: dict) -> None:
+    """Write ground_truth.v1 for ``Sample`` rows (ncr), ground_truth.v2 for ``WebSample`` rows."""
+    web = bool(samples) and isinstance(samples[0], WebSample)
+    base = [row.sample for row in samples] if web else samples
     columns = {
-        "key": [s.key for s in samples],
-        "shard": [s.shard for s in samples],
-        "kind": [s.kind for s in samples],
-        "degree": [KIND_DEGREES[s.kind] for s in samples],
-        "caption": [s.caption for s in samples],
-        "noisy_caption": [s.noisy_caption for s in samples],
-        "changed_attribute": [s.changed_attribute for s in samples],
-        "corrupt": [s.corrupt for s in samples],
+        "key": [s.key for s in base],
+        "shard": [s.shard for s in base],
+        "kind": [s.kind for s in base],
+        "degree": [row.degree for row in samples] if web else [KIND_DEGREES[s.kind] for s in base],
+        "caption": [row.caption for row in samples] if web else [s.caption for s in base],
+        "noisy_caption": [s.noisy_caption for s in base],
+        "changed_attribute": [s.changed_attribute for s in base],
+        "corrupt": [s.corrupt for s in base],
     }
-    schema = GROUND_TRUTH_SCHEMA.with_metadata(
-        {**GROUND_TRUTH_SCHEMA.metadata, b"ncl.make_corpus": json.dumps(params, sort_keys=True)}
+    if web:
+        columns |= {
+            "noise_type": [row.noise_type for row in samples],
+            "cluttered": [bool(row.look.distractors) for row in samples],
+            "low_contrast": [row.look.contrast is not None for row in samples],
+            "caption_style": [row.caption_style for row in samples],
+            "page": [row.page for row in samples],
+            "duplicate_of": [row.duplicate_of for row in samples],
+        }
+    base_schema = GROUND_TRUTH_V2_SCHEMA if web else GROUND_TRUTH_SCHEMA
+    schema = base_schema.with_metadata(
+        {**base_schema.metadata, b"ncl.make_corpus": json.dumps(params, sort_keys=True)}
     )
     table = pa.table(columns, schema=schema)
     tmp = path.with_name(path.name + ".tmp")
     pq.write_table(table, tmp)
     os.replace(tmp, path)
+
+
+def _ncr_jpegs(chunk: Sequence[Sample], image_size: int, rng: np.random.Generator):
+    return (encode_jpeg(draw_scene(sample.scene, image_size, rng)) for sample in chunk)
 
 
 def _write_split(
@@ -296,7 +349,35 @@ def _write_split(
         chunk = samples[start : start + samples_per_shard]
         # One pixel stream per shard: a shard's bytes do not depend on how the others were made.
         rng = np.random.default_rng([seed, _STREAM_PIXELS, split, start // samples_per_shard])
-        paths.append(str(_write_shard(directory, chunk[0].shard, chunk, image_size, rng)))
+        jpegs = _ncr_jpegs(chunk, image_size, rng)
+        paths.append(str(_write_shard(directory, chunk[0].shard, chunk, image_size, jpegs)))
+    return paths
+
+
+def _write_web_split(
+    directory: Path,
+    rows: list[WebSample],
+    samples_per_shard: int,
+    image_size: int,
+    seed: int,
+    split: int,
+) -> list[str]:
+    """Like `_write_split` with one pixel stream per row (``look.pixel_row``): an exact
+    duplicate re-draws its source's stream and so gets the same bytes, in any shard."""
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def jpegs(chunk: list[WebSample]):
+        for row in chunk:
+            rng = np.random.default_rng([seed, _STREAM_WEB_PIXELS, split, row.look.pixel_row])
+            yield render_jpeg(row, image_size, rng)
+
+    paths = []
+    for start in range(0, len(rows), samples_per_shard):
+        chunk = rows[start : start + samples_per_shard]
+        samples = [row.sample for row in chunk]
+        paths.append(
+            str(_write_shard(directory, samples[0].shard, samples, image_size, jpegs(chunk)))
+        )
     return paths
 
 
@@ -324,8 +405,7 @@ def _clear_previous(out: Path) -> None:
 
 
 def _count(fraction: float, samples: int) -> int:
-    # The epsilon absorbs float representation (0.29 * 100 == 28.999999999999996).
-    return int(math.floor(fraction * samples + 1e-9))
+    return fraction_count(fraction, samples)
 
 
 def _validate(
@@ -434,6 +514,62 @@ def _write_clean_split(out: Path, params: dict, name: str) -> tuple[list[str], P
     return shards, truth
 
 
+_SPLITS = {
+    "train": (0, _SPLIT_TRAIN),
+    "test": (TEST_SHARD_OFFSET, _SPLIT_TEST),
+    "val": (VAL_SHARD_OFFSET, _SPLIT_VAL),
+}
+
+
+def _web_rows(params: dict, name: str, web: WebNoise | None) -> list[WebSample]:
+    """One split of a ``web`` or ``teacher`` corpus; training rows get noise and damage."""
+    seed, per_shard, image_size = params["seed"], params["samples_per_shard"], params["image_size"]
+    n = params["samples" if name == "train" else f"{name}_samples"]
+    offset, split = _SPLITS[name]
+    if web is None:  # teacher: the ncr drawing, clean, with captions of its own
+        rng = np.random.default_rng([seed, _STREAM_TEACHER, split])
+        rows = draw_teacher_rows(draw_samples(n, per_shard, offset, image_size, rng))
+    else:
+        rng = np.random.default_rng([seed, _STREAM_WEB_PAGES, split])
+        rows = draw_pages(n, per_shard, offset, image_size, web, rng, held_out=name != "train")
+        if name == "train":
+            rows = apply_web_noise(rows, web, np.random.default_rng([seed, _STREAM_WEB_NOISE]))
+    if name == "train":
+        damaged = apply_corruption(
+            [row.sample for row in rows],
+            _count(params["corrupt"], n),
+            np.random.default_rng([seed, _STREAM_CORRUPT]),
+        )
+        rows = [dataclasses.replace(r, sample=s) for r, s in zip(rows, damaged, strict=True)]
+    return rows
+
+
+def _write_web_corpus(
+    out: Path, params: dict, web: WebNoise | None
+) -> tuple[list[WebSample], list[str], dict[str, tuple[list[str], Path | None]]]:
+    train = _web_rows(params, "train", web)
+    shards = _write_web_split(
+        out, train, params["samples_per_shard"], params["image_size"], params["seed"], 0
+    )
+    held_out: dict[str, tuple[list[str], Path | None]] = {"test": ([], None), "val": ([], None)}
+    for name in held_out:
+        if params[f"{name}_samples"]:
+            rows = _web_rows(params, name, web)
+            paths = _write_web_split(
+                out / name,
+                rows,
+                params["samples_per_shard"],
+                params["image_size"],
+                params["seed"],
+                _SPLITS[name][1],
+            )
+            truth = out / name / "ground_truth.parquet"
+            _write_ground_truth(truth, rows, {**params, "split": name})
+            held_out[name] = (paths, truth)
+    _write_ground_truth(out / "ground_truth.parquet", train, {**params, "split": "train"})
+    return train, shards, held_out
+
+
 def _summary(
     out: Path,
     train: list[Sample],
@@ -469,14 +605,16 @@ def make_corpus(
     out_dir: str | os.PathLike,
     *,
     samples: int = 4000,
-    noise: float = 0.4,
-    partial: float = 0.1,
+    noise: float | None = None,
+    partial: float | None = None,
     seed: int = 0,
     samples_per_shard: int = 500,
     test_samples: int = 500,
     image_size: int = 64,
     corrupt: float = 0.0,
     val_samples: int = 0,
+    noise_model: str = "ncr",
+    web: WebNoise | None = None,
 ) -> CorpusSummary:
     """Write a noisy synthetic image-text corpus in the img2dataset layout (see module docs).
 
@@ -484,10 +622,10 @@ def make_corpus(
         out_dir: local directory; created if missing. A previous make_corpus output there is
             replaced; a directory with other shard files is refused.
         samples: training pairs, >= 2.
-        noise: fraction of training pairs given another pair's caption (kind ``mismatched``);
-            ``floor(noise * samples)`` pairs.
-        partial: fraction given a caption with exactly one attribute changed (``partial``);
-            ``floor(partial * samples)`` pairs. ``noise + partial <= 1``.
+        noise: ncr only (default 0.4): fraction of training pairs given another pair's caption
+            (kind ``mismatched``); ``floor(noise * samples)`` pairs.
+        partial: ncr only (default 0.1): fraction given a caption with exactly one attribute
+            changed (``partial``); ``floor(partial * samples)`` pairs. ``noise + partial <= 1``.
         seed: non-negative integer; same seed, same bytes.
         samples_per_shard: pairs per tar, in [1, 10000]; the last shard may be shorter.
         test_samples: clean held-out pairs written under ``out_dir/test/``; 0 writes none.
@@ -496,14 +634,36 @@ def make_corpus(
             ``floor(corrupt * samples)`` pairs, independent of their kind.
         val_samples: clean validation pairs under ``out_dir/val/`` (select the warm-up, never
             reported); 0 writes none. They change no training or test sample.
+        noise_model: ``ncr`` (random swaps and one-attribute changes; ground_truth.v1), ``web``
+            (pages, duplicates, page swaps, boilerplate, page captions, clutter;
+            ground_truth.v2) or ``teacher`` (clean, captions without count or position;
+            ground_truth.v2). docs/corpus.md describes them.
+        web: the web model's knobs (default ``WebNoise()``); web only.
 
     Returns:
-        A `CorpusSummary` of the paths written and the counts per kind.
+        A `CorpusSummary` of the paths written and the counts per kind (and per noise type).
 
     Raises:
-        ValueError: an argument is out of range (the message says the allowed range), or
-            out_dir holds shard files that make_corpus did not write.
+        ValueError: an argument is out of range (the message says the allowed range), an
+            argument does not apply to the noise model, or out_dir holds shard files that
+            make_corpus did not write.
     """
+    if noise_model not in NOISE_MODELS:
+        raise ValueError(f"noise_model must be one of {NOISE_MODELS}, got {noise_model!r}")
+    if noise_model != "ncr" and (noise is not None or partial is not None):
+        raise ValueError(
+            f"noise and partial apply to noise_model='ncr' only; the {noise_model} model takes "
+            "its fractions from web=WebNoise(...)"
+            if noise_model == "web"
+            else "noise and partial apply to noise_model='ncr' only; the teacher corpus is clean"
+        )
+    if noise_model != "web" and web is not None:
+        raise ValueError(f"web=WebNoise(...) applies to noise_model='web', not {noise_model!r}")
+    if noise_model == "web":
+        web = WebNoise() if web is None else web
+        web.validate()
+    noise = 0.4 if noise is None else noise
+    partial = 0.1 if partial is None else partial
     _validate(samples, noise, partial, seed, samples_per_shard, test_samples, image_size, corrupt)
     _validate(samples, noise, partial, seed, samples_per_shard, val_samples, image_size, corrupt)
     out = Path(out_dir)
@@ -520,6 +680,17 @@ def make_corpus(
         "image_size": image_size,
         "corrupt": corrupt,
     }
+    if noise_model != "ncr":
+        # The ncr metadata (and so its Parquet bytes) stays as it was: no noise_model key.
+        del params["noise"], params["partial"]
+        params["noise_model"] = noise_model
+        if web is not None:
+            params["web"] = asdict(web)
+        rows, shards, held_out = _write_web_corpus(out, params, web)
+        summary = _summary(out, [row.sample for row in rows], shards, held_out, params)
+        return dataclasses.replace(
+            summary, noise_model=noise_model, noise_type_counts=noise_type_counts(rows)
+        )
 
     train = _noisy_train_samples(
         samples, noise, partial, corrupt, seed, samples_per_shard, image_size
