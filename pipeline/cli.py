@@ -95,8 +95,12 @@ def validate(
 def make_corpus_command(
     out: Path = typer.Option(..., "--out", help="Directory to write the shards into."),
     samples: int = typer.Option(4000, help="Training pairs."),
-    noise: float = typer.Option(0.4, help="Fraction of mismatched pairs (caption of another)."),
-    partial: float = typer.Option(0.1, help="Fraction of partially matching pairs."),
+    noise: float = typer.Option(
+        None, help="ncr only: fraction of mismatched pairs (caption of another). [default: 0.4]"
+    ),
+    partial: float = typer.Option(
+        None, help="ncr only: fraction of partially matching pairs. [default: 0.1]"
+    ),
     seed: int = typer.Option(0, help="Seed: the corpus is a pure function of the arguments."),
     samples_per_shard: int = typer.Option(500, help="Pairs per tar shard."),
     test_samples: int = typer.Option(500, help="Clean held-out pairs under OUT/test/."),
@@ -105,10 +109,47 @@ def make_corpus_command(
     ),
     image_size: int = typer.Option(64, help="Image side in pixels."),
     corrupt: float = typer.Option(0.0, help="Fraction of deliberately corrupt samples."),
+    noise_model: str = typer.Option(
+        "ncr",
+        "--noise-model",
+        help="ncr (random swaps), web (pages, duplicates, page swaps, boilerplate, clutter) or "
+        "teacher (clean; captions never name count or position). See docs/corpus.md.",
+    ),
+    web_knobs: list[str] = typer.Option(
+        None,
+        "--web",
+        help="A web-model knob as NAME=VALUE, repeatable (e.g. --web page_swap=0.25); "
+        "names as in pipeline.data.web_noise.WebNoise.",
+    ),
 ) -> None:
     """Write the synthetic noisy demo corpus in img2dataset layout, with ground truth."""
-    from pipeline.data.synthetic import make_corpus
+    import dataclasses
 
+    from pipeline.data.synthetic import NOISE_MODELS, WebNoise, make_corpus
+
+    if noise_model not in NOISE_MODELS:
+        _fail(f"--noise-model must be one of {', '.join(NOISE_MODELS)}, got {noise_model!r}")
+    web = None
+    if web_knobs:
+        if noise_model != "web":
+            _fail("--web applies to --noise-model web only")
+        fields = {f.name: f for f in dataclasses.fields(WebNoise)}
+        values: dict = {}
+        for knob in web_knobs:
+            name, sep, text = knob.partition("=")
+            if not sep or name not in fields:
+                _fail(f"--web takes NAME=VALUE with NAME one of {', '.join(fields)}; got {knob!r}")
+            default = getattr(WebNoise(), name)
+            try:
+                if isinstance(default, tuple):
+                    values[name] = tuple(
+                        type(d)(v) for d, v in zip(default, text.split(","), strict=True)
+                    )
+                else:
+                    values[name] = type(default)(text)
+            except ValueError:
+                _fail(f"--web {name}: cannot read {text!r} as {type(default).__name__}")
+        web = WebNoise(**values)
     try:
         summary = make_corpus(
             out,
@@ -121,6 +162,8 @@ def make_corpus_command(
             val_samples=val_samples,
             image_size=image_size,
             corrupt=corrupt,
+            noise_model=noise_model,
+            web=web,
         )
     except ValueError as exc:
         _fail(str(exc))
@@ -130,6 +173,9 @@ def make_corpus_command(
         f"{len(summary.test_shards)} clean test shards in {out}/test, "
         f"{len(summary.val_shards)} clean validation shards in {out}/val"
     )
+    if summary.noise_model != "ncr":
+        counts = ", ".join(f"{k}: {v}" for k, v in summary.noise_type_counts.items() if v)
+        typer.echo(f"noise model {summary.noise_model}; training pairs per noise type: {counts}")
 
 
 @app.command()
