@@ -4,10 +4,34 @@ the guard that the ``ncr`` corpus keeps its bytes."""
 from __future__ import annotations
 
 import hashlib
+import json
+import re
+import tarfile
+from collections import Counter
 
+import numpy as np
 import pyarrow
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pipeline.data.synthetic import make_corpus
+from pipeline.data.noise import fraction_count
+from pipeline.data.scenes import (
+    ALT_JUNK,
+    ATTRIBUTES,
+    SHAPES,
+    SHORT_ATTRIBUTES,
+    Scene,
+    caption_attributes,
+    parse_caption,
+    render_alt_text,
+    render_caption,
+    render_short_caption,
+)
+from pipeline.data.synthetic import GROUND_TRUTH_SCHEMA, GROUND_TRUTH_V2_SCHEMA, make_corpus
+from pipeline.data.web_noise import BOILERPLATE, NOISE_DEGREES, NOISE_KINDS, NOISE_TYPES, WebNoise
+from pipeline.io.ground_truth import quality_arrays
 
 # sha256 of a small ncr corpus as written before the web noise model existed. Parquet files
 # record the writer's version ("parquet-cpp-arrow version ..."), so these hold for the pinned
@@ -50,3 +74,244 @@ def test_ncr_corpus_bytes_unchanged(tmp_path):
     }
     assert {k: got[k] for k in digests} == digests
     assert set(got) == set(NCR_DIGESTS)
+
+
+# ------------------------------------------------------------------------------- web corpus
+
+WEB = {"samples": 400, "samples_per_shard": 150, "test_samples": 120, "val_samples": 60}
+
+
+def read_members(shards) -> dict[str, dict[str, bytes]]:
+    """{key: {ext: bytes}} over `shards`."""
+    out: dict[str, dict[str, bytes]] = {}
+    for path in shards:
+        with tarfile.open(path) as tar:
+            for member in tar.getmembers():
+                key, ext = member.name.split(".", 1)
+                out.setdefault(key, {})[ext] = tar.extractfile(member).read()
+    return out
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def web(tmp_path_factory):
+    summary = make_corpus(
+        tmp_path_factory.mktemp("web"), noise_model="web", seed=1, image_size=48, **WEB
+    )
+    rows = pq.read_table(summary.ground_truth).to_pylist()
+    return summary, rows, {r["key"]: r for r in rows}, read_members(summary.shards)
+
+
+def test_web_ground_truth_is_v2_and_counts_match(web):
+    summary, rows, _, _ = web
+    schema = pq.read_schema(summary.ground_truth)
+    assert schema.metadata[b"ncl.schema"] == b"ground_truth.v2"
+    assert schema.names == GROUND_TRUTH_V2_SCHEMA.names
+    assert schema.names[: len(GROUND_TRUTH_SCHEMA)] == GROUND_TRUTH_SCHEMA.names
+    assert summary.noise_model == "web"
+    got = Counter(r["noise_type"] for r in rows)
+    assert summary.noise_type_counts == {t: got.get(t, 0) for t in NOISE_TYPES}
+    params, n = WebNoise(), WEB["samples"]
+    n_exact = fraction_count(params.exact_dup, n)
+    expected = {
+        "near_dup": fraction_count(params.near_dup, n),
+        "dup_wrong": fraction_count(params.exact_dup_wrong, n_exact),
+        "page_swap": fraction_count(params.page_swap, n),
+        "random_swap": fraction_count(params.random_swap, n),
+        "boilerplate": fraction_count(params.boilerplate, n),
+        "page_caption": fraction_count(params.page_caption, n),
+        "partial": fraction_count(params.partial, n),
+    }
+    expected["dup_clean"] = n_exact - expected["dup_wrong"]
+    for name, count in expected.items():
+        assert abs(got[name] - count) <= 2, (name, got[name], count)  # page structure permitting
+    assert sum(got.values()) == n
+    for r in rows:
+        assert r["kind"] == NOISE_KINDS[r["noise_type"]]
+        assert r["degree"] == pytest.approx(NOISE_DEGREES[r["noise_type"]])
+    assert {r["degree"] for r in rows if r["noise_type"] == "page_caption"} == {0.25}
+    clean = sum(r["kind"] == "clean" for r in rows) / n
+    assert 0.42 <= clean <= 0.58  # about half the training pairs stay clean
+    kinds = Counter(r["kind"] for r in rows)
+    assert summary.counts == {k: kinds.get(k, 0) for k in ("clean", "partial", "mismatched")}
+
+
+def test_web_images_cluttered_and_low_contrast_at_their_rates(web):
+    _, rows, _, _ = web
+    params = WebNoise()
+    assert abs(np.mean([r["cluttered"] for r in rows]) - params.clutter) < 0.08
+    assert abs(np.mean([r["low_contrast"] for r in rows]) - params.low_contrast) < 0.06
+
+
+def test_exact_duplicates_share_bytes_under_other_captions(web):
+    _, rows, by_key, members = web
+    dups = [r for r in rows if r["noise_type"] in ("dup_clean", "dup_wrong")]
+    assert dups
+    for r in dups:
+        source = by_key[r["duplicate_of"]]
+        assert sha(members[r["key"]]["jpg"]) == sha(members[source["key"]]["jpg"])
+        assert json.loads(members[r["key"]]["json"])["sha256"] == sha(members[r["key"]]["jpg"])
+        assert r["noisy_caption"] != source["noisy_caption"]
+        assert parse_caption(r["caption"]) == parse_caption(source["caption"])
+        assert source["duplicate_of"] is None  # a source is never a duplicate itself
+    # The sha256 groups are exactly the duplicate groups.
+    groups = Counter(sha(m["jpg"]) for m in members.values())
+    assert sum(c - 1 for c in groups.values()) == len(dups)
+
+
+def test_near_duplicates_are_other_bytes_of_the_same_scene(web):
+    _, rows, by_key, members = web
+    near = [r for r in rows if r["noise_type"] == "near_dup"]
+    assert near
+    for r in near:
+        source = by_key[r["duplicate_of"]]
+        assert source["page"] == r["page"]
+        assert members[r["key"]]["jpg"] != members[source["key"]]["jpg"]
+        assert parse_caption(r["noisy_caption"]) == parse_caption(source["caption"])
+        assert r["kind"] == "clean"
+
+
+def test_page_swaps_are_a_siblings_true_caption_two_or_three_attributes_off(web):
+    _, rows, _, _ = web
+    swaps = [r for r in rows if r["noise_type"] == "page_swap"]
+    assert swaps
+    for r in swaps:
+        named = caption_attributes(r["noisy_caption"])
+        truth = parse_caption(r["caption"])
+        assert named is not None and len(named) == len(ATTRIBUTES)
+        assert 2 <= sum(named[a] != getattr(truth, a) for a in ATTRIBUTES) <= 3
+        siblings = [s for s in rows if s["page"] == r["page"] and s["key"] != r["key"]]
+        assert any(parse_caption(s["caption"]) == Scene(**named) for s in siblings)
+
+
+def test_boilerplate_and_page_captions(web):
+    _, rows, _, _ = web
+    boiler = [r["noisy_caption"] for r in rows if r["noise_type"] == "boilerplate"]
+    assert boiler and set(boiler) <= set(BOILERPLATE)
+    assert len(BOILERPLATE) == 30
+    per_page: dict[int, set[str]] = {}
+    for r in rows:
+        if r["noise_type"] == "page_caption":
+            per_page.setdefault(r["page"], set()).add(r["noisy_caption"])
+            assert r["kind"] == "partial" and caption_attributes(r["noisy_caption"]) is None
+    assert per_page and all(len(texts) == 1 for texts in per_page.values())
+
+
+def test_clean_and_partial_captions_name_the_image(web):
+    _, rows, _, _ = web
+    for r in rows:
+        truth = parse_caption(r["caption"])
+        assert truth is not None  # the caption column is always the full true caption
+        named = caption_attributes(r["noisy_caption"])
+        if r["kind"] == "clean":
+            assert named is not None and "shape" in named
+            assert all(getattr(truth, a) == v for a, v in named.items()), r
+        if r["noise_type"] == "partial":
+            assert [a for a in ATTRIBUTES if named[a] != getattr(truth, a)] == [
+                r["changed_attribute"]
+            ]
+    styles = Counter(r["caption_style"] for r in rows if r["noise_type"] == "clean")
+    assert set(styles) == {"full", "short", "alt"}
+
+
+@pytest.mark.parametrize("split", ["test", "val"])
+def test_held_out_splits_are_clean_with_subgroups(web, split):
+    summary = web[0]
+    path = summary.test_ground_truth if split == "test" else summary.val_ground_truth
+    rows = pq.read_table(path).to_pylist()
+    assert pq.read_schema(path).metadata[b"ncl.schema"] == b"ground_truth.v2"
+    assert len(rows) == WEB[f"{split}_samples"]
+    assert {r["noise_type"] for r in rows} == {"clean"}
+    assert {r["kind"] for r in rows} == {"clean"}
+    assert {r["caption_style"] for r in rows} == {"full", "short"}
+    assert any(r["cluttered"] for r in rows) and not all(r["cluttered"] for r in rows)
+    assert all(r["noisy_caption"] == r["caption"] for r in rows if r["caption_style"] == "full")
+    members = read_members(summary.test_shards if split == "test" else summary.val_shards)
+    assert {k: m["txt"].decode() for k, m in members.items()} == {
+        r["key"]: r["noisy_caption"] for r in rows
+    }
+
+
+def test_quality_reader_accepts_v2(web):
+    summary, rows, _, _ = web
+    keys = [r["key"] for r in rows]
+    arrays = quality_arrays(summary.ground_truth, keys, {"s": np.zeros(len(keys))}, {})
+    assert arrays["degree"].tolist() == pytest.approx([r["degree"] for r in rows])
+
+
+def test_web_same_seed_same_bytes(tmp_path):
+    small = {"samples": 120, "samples_per_shard": 50, "test_samples": 30, "image_size": 48}
+    a = make_corpus(tmp_path / "a", noise_model="web", seed=2, corrupt=0.05, **small)
+    b = make_corpus(tmp_path / "b", noise_model="web", seed=2, corrupt=0.05, **small)
+    c = make_corpus(tmp_path / "c", noise_model="web", seed=3, corrupt=0.05, **small)
+    for name in ("00000.tar", "00002.tar", "ground_truth.parquet", "test/00000.tar"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+        assert (tmp_path / "a" / name).read_bytes() != (tmp_path / "c" / name).read_bytes()
+    assert a.noise_type_counts == b.noise_type_counts
+    assert a.corrupt == 6 == c.corrupt
+
+
+# ------------------------------------------------------------------------------ teacher corpus
+
+
+def test_teacher_corpus_is_clean_without_count_or_position(tmp_path):
+    summary = make_corpus(
+        tmp_path, noise_model="teacher", samples=150, samples_per_shard=100, test_samples=40,
+        val_samples=20, image_size=48,
+    )  # fmt: skip
+    assert summary.noise_model == "teacher"
+    assert summary.noise_type_counts["clean"] == 150 == summary.counts["clean"]
+    forbidden = re.compile(
+        r"\b(two|three|left|right|top|bottom|middle|centre|center)\b|"
+        r"(circles|squares|triangles|stars|crosses|diamonds)\b"
+    )
+    for path in (summary.ground_truth, summary.test_ground_truth, summary.val_ground_truth):
+        rows = pq.read_table(path).to_pylist()
+        assert pq.read_schema(path).metadata[b"ncl.schema"] == b"ground_truth.v2"
+        assert {r["noise_type"] for r in rows} == {"clean"}
+        assert not any(r["cluttered"] or r["low_contrast"] for r in rows)
+        for r in rows:
+            assert r["noisy_caption"] == r["caption"]
+            assert not forbidden.search(r["caption"]), r["caption"]
+    assert len({r["caption"].split(" ")[0] for r in rows}) > 3  # several templates
+
+
+# ------------------------------------------------------------------------- captions, arguments
+
+
+@given(
+    shape=st.sampled_from(SHAPES),
+    count=st.sampled_from([1, 2, 3]),
+    named=st.sets(st.sampled_from(SHORT_ATTRIBUTES), min_size=2, max_size=2),
+    template=st.integers(0, 5),
+    junk=st.lists(st.sampled_from([*ALT_JUNK, "IMG_2031"]), min_size=2, max_size=4),
+    cut=st.integers(0, 4),
+    sep=st.integers(0, 2),
+)
+@settings(max_examples=150, deadline=None)
+def test_short_and_alt_captions_read_back(shape, count, named, template, junk, cut, sep):
+    scene = Scene(shape, "red", "large", "top", count, "grey")
+    short = render_short_caption(scene, sorted(named))
+    assert caption_attributes(short) == {"shape": shape, **{a: getattr(scene, a) for a in named}}
+    full = render_caption(scene, template)
+    alt = render_alt_text(full, junk[:cut], junk[cut:], sep)
+    assert caption_attributes(alt) == {a: getattr(scene, a) for a in ATTRIBUTES}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"noise_model": "web", "noise": 0.3}, "noise_model='ncr' only"),
+        ({"noise_model": "teacher", "partial": 0.1}, "noise_model='ncr' only"),
+        ({"noise_model": "ncr", "web": WebNoise()}, "applies to noise_model='web'"),
+        ({"noise_model": "nope"}, "noise_model must be one of"),
+        ({"noise_model": "web", "web": WebNoise(page_swap=0.9)}, "must sum"),
+        ({"noise_model": "web", "web": WebNoise(full=0.9)}, "web.full"),
+    ],
+)
+def test_arguments_that_do_not_apply_are_refused(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_corpus(tmp_path, samples=10, test_samples=0, **kwargs)
