@@ -91,6 +91,35 @@ def validate(
     typer.echo(f"ok: model {job.model.name} ({pretrained}) is available")
 
 
+def _web_knobs(noise_model: str, knobs: list[str] | None):
+    """`--web NAME=VALUE` options as a WebNoise (None without any)."""
+    import dataclasses
+
+    from pipeline.data.synthetic import WebNoise
+
+    if not knobs:
+        return None
+    if noise_model != "web":
+        _fail("--web applies to --noise-model web only")
+    fields = {f.name: f for f in dataclasses.fields(WebNoise)}
+    values: dict = {}
+    for knob in knobs:
+        name, sep, text = knob.partition("=")
+        if not sep or name not in fields:
+            _fail(f"--web takes NAME=VALUE with NAME one of {', '.join(fields)}; got {knob!r}")
+        default = getattr(WebNoise(), name)
+        try:
+            if isinstance(default, tuple):
+                values[name] = tuple(
+                    type(d)(v) for d, v in zip(default, text.split(","), strict=True)
+                )
+            else:
+                values[name] = type(default)(text)
+        except ValueError:
+            _fail(f"--web {name}: cannot read {text!r} as {type(default).__name__}")
+    return WebNoise(**values)
+
+
 @app.command("make-corpus")
 def make_corpus_command(
     out: Path = typer.Option(..., "--out", help="Directory to write the shards into."),
@@ -123,33 +152,11 @@ def make_corpus_command(
     ),
 ) -> None:
     """Write the synthetic noisy demo corpus in img2dataset layout, with ground truth."""
-    import dataclasses
-
-    from pipeline.data.synthetic import NOISE_MODELS, WebNoise, make_corpus
+    from pipeline.data.synthetic import NOISE_MODELS, make_corpus
 
     if noise_model not in NOISE_MODELS:
         _fail(f"--noise-model must be one of {', '.join(NOISE_MODELS)}, got {noise_model!r}")
-    web = None
-    if web_knobs:
-        if noise_model != "web":
-            _fail("--web applies to --noise-model web only")
-        fields = {f.name: f for f in dataclasses.fields(WebNoise)}
-        values: dict = {}
-        for knob in web_knobs:
-            name, sep, text = knob.partition("=")
-            if not sep or name not in fields:
-                _fail(f"--web takes NAME=VALUE with NAME one of {', '.join(fields)}; got {knob!r}")
-            default = getattr(WebNoise(), name)
-            try:
-                if isinstance(default, tuple):
-                    values[name] = tuple(
-                        type(d)(v) for d, v in zip(default, text.split(","), strict=True)
-                    )
-                else:
-                    values[name] = type(default)(text)
-            except ValueError:
-                _fail(f"--web {name}: cannot read {text!r} as {type(default).__name__}")
-        web = WebNoise(**values)
+    web = _web_knobs(noise_model, web_knobs)
     try:
         summary = make_corpus(
             out,

@@ -33,22 +33,29 @@ Contract (docs/architecture.md §4.1 and §6; file names and ground-truth column
   arguments: the same seed gives byte-identical tars and Parquet files.
 - Every caption parses back to its scene with ``parse_caption`` (used by tests and analysis).
 
+- ``noise_model`` (docs/corpus.md): ``ncr`` is the protocol above and writes ground_truth.v1,
+  byte for byte as before the other models existed. ``web`` (:mod:`pipeline.data.web_noise`,
+  knobs in ``WebNoise``) draws pages of similar images, near and exact duplicates, page swaps,
+  boilerplate, page captions, clutter and low contrast; ``teacher`` is a clean corpus whose
+  captions never name the count or the position. Both write ``GROUND_TRUTH_V2_SCHEMA``: v1's
+  columns, ``degree`` per row (page captions are ``partial`` at 0.25), plus ``noise_type``,
+  ``cluttered``, ``low_contrast``, ``caption_style``, ``page`` and ``duplicate_of``. For web
+  rows ``caption`` is the full true caption of the image; a clean ``noisy_caption`` may be a
+  short or alt-text caption of the same image (``caption_attributes`` reads it).
+
 The scenes and captions live in :mod:`pipeline.data.scenes`, the sampling and noise in
-:mod:`pipeline.data.noise`; this module writes the files and re-exports their public names.
+:mod:`pipeline.data.noise` and :mod:`pipeline.data.web_noise`; this module writes the files
+and re-exports their public names.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import io
 import json
 import math
 import os
 import re
-import tarfile
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -81,6 +88,7 @@ from pipeline.data.scenes import (
     parse_caption,
     render_caption,
 )
+from pipeline.data.shards import IMG2DATASET_SCHEMA, write_shard
 from pipeline.data.web_noise import (
     NOISE_TYPES,
     WebNoise,
@@ -122,7 +130,6 @@ __all__ = [
 # Held-out keys start at this shard prefix so they never collide with training keys.
 TEST_SHARD_OFFSET = 90_000
 VAL_SHARD_OFFSET = 80_000  # the validation split's keys, below the test split's
-_TAR_MTIME = 946_684_800  # fixed (2000-01-01) so tar bytes do not depend on when they were made
 _MAX_PER_SHARD = 10_000  # the 4-digit in-shard part of a key
 
 # Seed streams: independent numpy Generators per purpose, so e.g. changing `corrupt` does not
@@ -134,22 +141,6 @@ NOISE_MODELS: tuple[str, ...] = ("ncr", "web", "teacher")
 _SPLIT_TRAIN, _SPLIT_TEST, _SPLIT_VAL = 0, 1, 2
 
 _SHARD_FILE = re.compile(r"^\d{5}(\.tar|\.parquet|_stats\.json)(\.tmp)?$")
-
-IMG2DATASET_SCHEMA = pa.schema(
-    [
-        pa.field("url", pa.string()),
-        pa.field("caption", pa.string()),
-        pa.field("key", pa.string()),
-        pa.field("status", pa.string()),
-        pa.field("error_message", pa.string()),
-        pa.field("width", pa.int32()),
-        pa.field("height", pa.int32()),
-        pa.field("original_width", pa.int32()),
-        pa.field("original_height", pa.int32()),
-        pa.field("exif", pa.string()),
-        pa.field("sha256", pa.string()),
-    ]
-)
 
 GROUND_TRUTH_SCHEMA = pa.schema(
     [
@@ -207,97 +198,6 @@ class CorpusSummary:
 # Writing
 
 
-def _damage(mode: str | None, jpg: bytes, txt: bytes | None) -> tuple[bytes, bytes | None]:
-    """Return the (image, caption) member bytes as written; None means no .txt member."""
-    if mode is None:
-        return jpg, txt
-    if mode == "truncated_jpeg":
-        # Cut halfway through the entropy-coded data after the start-of-scan marker, so the
-        # headers parse (Image.open succeeds) and only decoding fails, as with a cut download.
-        start_of_scan = max(jpg.find(b"\xff\xda"), 0)
-        return jpg[: start_of_scan + (len(jpg) - start_of_scan) // 2], txt
-    if mode == "empty_image":
-        return b"", txt
-    if mode == "missing_txt":
-        return jpg, None
-    if mode == "invalid_utf8":
-        # 0xff never occurs in UTF-8; a lone continuation byte mid-text is invalid as well.
-        half = len(txt) // 2
-        return jpg, b"\xff" + txt[:half] + b"\x80" + txt[half:]
-    if mode == "empty_caption":
-        return jpg, b""
-    raise ValueError(f"unknown corrupt mode {mode!r}; expected one of {CORRUPT_MODES}")
-
-
-def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    info.mtime = _TAR_MTIME
-    info.mode = 0o444
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    tar.addfile(info, io.BytesIO(data))
-
-
-def _write_shard(
-    directory: Path,
-    shard: str,
-    samples: Sequence[Sample],
-    image_size: int,
-    jpegs: Iterable[bytes],
-) -> Path:
-    """Write `shard`.tar, .parquet and _stats.json for `samples` (their images are `jpegs`, in
-    the same order, made lazily); return the tar path."""
-    start = time.time()
-    rows = []
-    tar_path = directory / f"{shard}.tar"
-    tmp = directory / f"{shard}.tar.tmp"
-    with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
-        for sample, jpg in zip(samples, jpegs, strict=True):
-            caption = "" if sample.corrupt == "empty_caption" else sample.noisy_caption
-            meta = {
-                "url": f"https://example.invalid/img/{sample.key}.jpg",
-                "caption": caption,
-                "key": sample.key,
-                "status": "success",
-                "error_message": None,
-                "width": image_size,
-                "height": image_size,
-                "original_width": sample.original_size[0],
-                "original_height": sample.original_size[1],
-                "exif": None,
-                "sha256": hashlib.sha256(jpg).hexdigest(),
-            }
-            rows.append(meta)
-            jpg_bytes, txt_bytes = _damage(sample.corrupt, jpg, caption.encode("utf-8"))
-            _add_member(tar, f"{sample.key}.jpg", jpg_bytes)
-            if txt_bytes is not None:
-                _add_member(tar, f"{sample.key}.txt", txt_bytes)
-            _add_member(tar, f"{sample.key}.json", json.dumps(meta, indent=4).encode("utf-8"))
-    os.replace(tmp, tar_path)
-
-    table = pa.Table.from_pylist(rows, schema=IMG2DATASET_SCHEMA)
-    tmp = directory / f"{shard}.parquet.tmp"
-    pq.write_table(table, tmp)
-    os.replace(tmp, directory / f"{shard}.parquet")
-
-    end = time.time()
-    stats = {
-        "count": len(samples),
-        "successes": len(samples),
-        "failed_to_download": 0,
-        "failed_to_resize": 0,
-        "duration": end - start,
-        "start_time": start,
-        "end_time": end,
-        "status_dict": {"success": len(samples)},
-    }
-    tmp = directory / f"{shard}_stats.json.tmp"
-    tmp.write_text(json.dumps(stats, indent=4))
-    os.replace(tmp, directory / f"{shard}_stats.json")
-    return tar_path
-
-
 def _write_ground_truth(path: Path, samples: Sequence[Sample | WebSample], params: dict) -> None:
     """Write ground_truth.v1 for ``Sample`` rows (ncr), ground_truth.v2 for ``WebSample`` rows."""
     web = bool(samples) and isinstance(samples[0], WebSample)
@@ -350,7 +250,7 @@ def _write_split(
         # One pixel stream per shard: a shard's bytes do not depend on how the others were made.
         rng = np.random.default_rng([seed, _STREAM_PIXELS, split, start // samples_per_shard])
         jpegs = _ncr_jpegs(chunk, image_size, rng)
-        paths.append(str(_write_shard(directory, chunk[0].shard, chunk, image_size, jpegs)))
+        paths.append(str(write_shard(directory, chunk[0].shard, chunk, image_size, jpegs)))
     return paths
 
 
@@ -376,7 +276,7 @@ def _write_web_split(
         chunk = rows[start : start + samples_per_shard]
         samples = [row.sample for row in chunk]
         paths.append(
-            str(_write_shard(directory, samples[0].shard, samples, image_size, jpegs(chunk)))
+            str(write_shard(directory, samples[0].shard, samples, image_size, jpegs(chunk)))
         )
     return paths
 
@@ -601,6 +501,49 @@ def _summary(
     )
 
 
+def _check_model(
+    noise_model: str, noise: float | None, partial: float | None, web: WebNoise | None
+) -> WebNoise | None:
+    """The web knobs to use (None unless ``web``); refuse arguments the model does not take."""
+    if noise_model not in NOISE_MODELS:
+        raise ValueError(f"noise_model must be one of {NOISE_MODELS}, got {noise_model!r}")
+    if noise_model != "ncr" and (noise is not None or partial is not None):
+        raise ValueError(
+            f"noise and partial apply to noise_model='ncr' only; the {noise_model} model takes "
+            "its fractions from web=WebNoise(...)"
+            if noise_model == "web"
+            else "noise and partial apply to noise_model='ncr' only; the teacher corpus is clean"
+        )
+    if noise_model != "web" and web is not None:
+        raise ValueError(f"web=WebNoise(...) applies to noise_model='web', not {noise_model!r}")
+    if noise_model == "web":
+        web = WebNoise() if web is None else web
+        web.validate()
+    return web
+
+
+def _write_ncr_corpus(out: Path, params: dict) -> CorpusSummary:
+    train = _noisy_train_samples(
+        params["samples"],
+        params["noise"],
+        params["partial"],
+        params["corrupt"],
+        params["seed"],
+        params["samples_per_shard"],
+        params["image_size"],
+    )
+    shards = _write_split(
+        out, train, params["samples_per_shard"], params["image_size"], params["seed"], _SPLIT_TRAIN
+    )
+    held_out: dict[str, tuple[list[str], Path | None]] = {"test": ([], None), "val": ([], None)}
+    for name in held_out:
+        if params[f"{name}_samples"]:
+            held_out[name] = _write_clean_split(out, params, name)
+    # Written last: its presence marks a complete corpus (and lets a rerun replace it).
+    _write_ground_truth(out / "ground_truth.parquet", train, {**params, "split": "train"})
+    return _summary(out, train, shards, held_out, params)
+
+
 def make_corpus(
     out_dir: str | os.PathLike,
     *,
@@ -648,20 +591,7 @@ def make_corpus(
             argument does not apply to the noise model, or out_dir holds shard files that
             make_corpus did not write.
     """
-    if noise_model not in NOISE_MODELS:
-        raise ValueError(f"noise_model must be one of {NOISE_MODELS}, got {noise_model!r}")
-    if noise_model != "ncr" and (noise is not None or partial is not None):
-        raise ValueError(
-            f"noise and partial apply to noise_model='ncr' only; the {noise_model} model takes "
-            "its fractions from web=WebNoise(...)"
-            if noise_model == "web"
-            else "noise and partial apply to noise_model='ncr' only; the teacher corpus is clean"
-        )
-    if noise_model != "web" and web is not None:
-        raise ValueError(f"web=WebNoise(...) applies to noise_model='web', not {noise_model!r}")
-    if noise_model == "web":
-        web = WebNoise() if web is None else web
-        web.validate()
+    web = _check_model(noise_model, noise, partial, web)
     noise = 0.4 if noise is None else noise
     partial = 0.1 if partial is None else partial
     _validate(samples, noise, partial, seed, samples_per_shard, test_samples, image_size, corrupt)
@@ -692,14 +622,4 @@ def make_corpus(
             summary, noise_model=noise_model, noise_type_counts=noise_type_counts(rows)
         )
 
-    train = _noisy_train_samples(
-        samples, noise, partial, corrupt, seed, samples_per_shard, image_size
-    )
-    shards = _write_split(out, train, samples_per_shard, image_size, seed, _SPLIT_TRAIN)
-    held_out: dict[str, tuple[list[str], Path | None]] = {"test": ([], None), "val": ([], None)}
-    for name in held_out:
-        if params[f"{name}_samples"]:
-            held_out[name] = _write_clean_split(out, params, name)
-    # Written last: its presence marks a complete corpus (and lets a rerun replace it).
-    _write_ground_truth(out / "ground_truth.parquet", train, {**params, "split": "train"})
-    return _summary(out, train, shards, held_out, params)
+    return _write_ncr_corpus(out, params)

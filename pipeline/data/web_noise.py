@@ -470,29 +470,17 @@ def _sibling_caption(
     return _pick(rng, siblings) if siblings else None
 
 
-def apply_web_noise(
-    rows: list[WebSample], params: WebNoise, rng: np.random.Generator
-) -> list[WebSample]:
-    """Give `rows` (from `draw_pages`) the web noise: duplicates, then caption noise.
-
-    Args:
-        rows: clean rows in key order.
-        params: the fractions (of ``len(rows)``) per noise type.
-        rng: the noise stream.
-
-    Returns:
-        New rows: ``fraction_count(f, n)`` of each noise type as far as the page structure
-        allows (a row with no eligible page sibling is not made a page swap; the counts in the
-        ground truth are the ones to use), the rest ``clean``.
-    """
-    n = len(rows)
-    out = list(rows)
-    pages: dict[int, list[int]] = {}
-    for i, row in enumerate(rows):
-        pages.setdefault(row.page, []).append(i)
-
-    # Duplicates first: page swaps and donors must see the final scenes.
-    near, exact = _duplicates(rows, pages, params, rng)
+def _copy_images(
+    out: list[WebSample],
+    near: dict[int, int],
+    exact: dict[int, int],
+    pages: dict[int, list[int]],
+    params: WebNoise,
+    rng: np.random.Generator,
+) -> None:
+    """Make the rows of `near` and `exact` ({dup: source}) duplicates of their sources, in
+    place (`out` holds the clean rows on entry)."""
+    rows = list(out)
     for i, j in near.items():
         source = rows[j]
         left, top, right, bottom = rng.integers(0, params.near_dup_crop + 1, 4)
@@ -531,6 +519,32 @@ def apply_web_noise(
             else:
                 out[i] = _noisy(out[i], "dup_wrong", _unrelated_caption(sample, rng))
 
+
+def apply_web_noise(
+    rows: list[WebSample], params: WebNoise, rng: np.random.Generator
+) -> list[WebSample]:
+    """Give `rows` (from `draw_pages`) the web noise: duplicates, then caption noise.
+
+    Args:
+        rows: clean rows in key order.
+        params: the fractions (of ``len(rows)``) per noise type.
+        rng: the noise stream.
+
+    Returns:
+        New rows: ``fraction_count(f, n)`` of each noise type as far as the page structure
+        allows (a row with no eligible page sibling is not made a page swap; the counts in the
+        ground truth are the ones to use), the rest ``clean``.
+    """
+    n = len(rows)
+    out = list(rows)
+    pages: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        pages.setdefault(row.page, []).append(i)
+
+    # Duplicates first: page swaps and donors must see the final scenes.
+    near, exact = _duplicates(rows, pages, params, rng)
+    _copy_images(out, near, exact, pages, params, rng)
+    exact_set = set(exact)
     # Caption noise on the rows that are not duplicates, in one seeded order.
     order = [int(i) for i in rng.permutation(n) if int(i) not in near and int(i) not in exact]
     n_swap = fraction_count(params.page_swap, n)
