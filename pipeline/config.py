@@ -193,6 +193,36 @@ class SpsLabelsConfig(_Section):
         return self
 
 
+class AssignLabelsConfig(_Section):
+    k: int = Field(
+        16,
+        ge=1,
+        description="Competitors per side: captions near the image, images near the caption.",
+    )
+    epsilon: float = Field(
+        1.0, gt=0, description="Sinkhorn entropy in logit units (1 = the model's own temperature)."
+    )
+    iterations: int = Field(
+        50, ge=1, le=10_000, description="Sinkhorn iterations, fixed (no tolerance: deterministic)."
+    )
+    score: Literal["share", "relative"] = Field(
+        "share",
+        description="a = |P| pi_ii (share of the pair's mass kept on its partner) or pi_ii over "
+        "the largest entry of its row and column (1 when its partner wins both ways).",
+    )
+    label: Literal["min", "fused"] = Field(
+        "min",
+        description="soft_label = min(p, a), which can demote a swap the loss calls clean, or "
+        "p + (1 - p) a, which only promotes.",
+    )
+    mass: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Transported mass m of the partial OT; null = the mixture's clean weight.",
+    )
+
+
 class LabelsConfig(_Section):
     # The choices are the registry's (pipeline.core.labels.LABEL_METHODS).
     method: Literal[tuple(LABEL_METHODS)] = Field(  # type: ignore[valid-type]
@@ -212,6 +242,7 @@ class LabelsConfig(_Section):
     bicro: BicroLabelsConfig = BicroLabelsConfig()
     rcr: RcrLabelsConfig = RcrLabelsConfig()
     sps: SpsLabelsConfig = SpsLabelsConfig()
+    assign: AssignLabelsConfig = AssignLabelsConfig()
 
 
 class IndexConfig(_Section):

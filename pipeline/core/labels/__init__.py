@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.core.labels import bicro, cosine, rcr, sps
+from pipeline.core.labels import assign, bicro, cosine, rcr, sps
 from pipeline.core.labels.base import (
     INDEX_ROLES,
     IndexRole,
@@ -72,6 +72,16 @@ LABEL_METHODS: dict[str, LabelMethod] = {
         label_shard=cosine.label_shard,
         score_columns=(),
         training_target="weights",
+    ),
+    "assign": LabelMethod(
+        name="assign",
+        decide=assign.decide,
+        index_role=assign.index_role,
+        label_shard=assign.label_shard,
+        # The raw score a needs a labels.v3 column (a versioned schema step): not yet.
+        score_columns=(),
+        training_target="weights",
+        proxy_table=True,  # rematch targets; trained only by the sps target so far
     ),
 }
 

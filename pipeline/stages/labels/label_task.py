@@ -126,6 +126,17 @@ def _quality_scores(spec: LabelSpec, fits, inputs: ShardInputs, labels: ShardLab
     return {**scores, **extra_scores}, {**subsets, **extra_subsets}
 
 
+def _method_params(spec: LabelSpec, fits: dict):
+    """The method's settings, with a `mass` left null set to the partitioning mixture's clean
+    weight pi_c (assign's partial OT transports that share of the mass)."""
+    params = spec.params
+    if params is None or "mass" not in type(params).model_fields or params.mass is not None:
+        return params
+    fit = fits[spec.mixture_kind]
+    weight = 1.0 if fit.weights is None else float(fit.weights[fit.clean_component])
+    return params.model_copy(update={"mass": min(max(weight, 1e-3), 1.0)})
+
+
 def label_task(
     spec: LabelSpec,
     shard: str,
@@ -138,7 +149,7 @@ def label_task(
     """Label one shard and write its table (and its SPS proxies). Returns the shard summary."""
     started = time.perf_counter()
     table, inputs = load_shard(spec, shard, offset, fits, decisions, context)
-    labels = label_shard(spec.method, inputs, neighbours, spec.params)
+    labels = label_shard(spec.method, inputs, neighbours, _method_params(spec, fits))
     cosine = table.column(f"cosine_{spec.view}").to_numpy().astype(np.float32)
     out = _label_table(spec, table, inputs, labels, cosine, context, shard)
     write_table_atomic(out, f"{spec.out_dir}/{shard}.parquet", out.schema)
