@@ -1,6 +1,6 @@
 """Assign: an L2RM-style competitor-aware label from a local partial optimal transport.
 
-Pure module: numpy, plus a `NeighbourSearch` over every pair (docs/methods.md §9).
+Pure module: numpy, plus a `NeighbourSearch` over every pair (docs/methods.md §12).
 
 Contract:
 - Partition: the clean split of the configured mixture (reported in `subset`).
