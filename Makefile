@@ -11,8 +11,11 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 
 DEMO_DATA := data/demo
 QUICK_DATA := data/demo-quick
+WEB_DATA := data/demo-web
+TEACHER_DATA := data/teacher
+TEACHER := $(TEACHER_DATA)/model.pt
 
-.PHONY: install demo demo-full test test-fast lint bench schemas clean browser
+.PHONY: install demo demo-full demo-web teacher test test-fast lint bench schemas clean browser
 
 install: $(STAMP)
 
@@ -42,6 +45,27 @@ demo: $(STAMP) $(QUICK_DATA)/val/ground_truth.parquet
 demo-full: $(STAMP) $(DEMO_DATA)/val/ground_truth.parquet
 	$(BIN)/ncl-pipeline run jobs/demo-full.yaml
 
+# The teacher: a CLIP pretrained once on a clean corpus of another distribution whose captions
+# never name count or position (jobs/teacher.yaml); the web demo starts from it. Cached.
+$(TEACHER_DATA)/val/ground_truth.parquet: | $(STAMP)
+	$(BIN)/ncl-pipeline make-corpus --noise-model teacher --out $(TEACHER_DATA) --samples 4000 \
+		--seed 1000 --samples-per-shard 500 --test-samples 500 --val-samples 500
+
+$(TEACHER): $(TEACHER_DATA)/val/ground_truth.parquet jobs/teacher.yaml | $(STAMP)
+	$(BIN)/ncl-pipeline run jobs/teacher.yaml
+	cp runs/teacher/rounds/0/checkpoints/A/model.pt $@.tmp && mv $@.tmp $@
+
+teacher: $(STAMP) $(TEACHER)
+
+# Web-like noise (docs/corpus.md): page swaps, boilerplate, page captions, duplicates, clutter.
+$(WEB_DATA)/val/ground_truth.parquet: | $(STAMP)
+	$(BIN)/ncl-pipeline make-corpus --noise-model web --out $(WEB_DATA) --samples 3000 --seed 0 \
+		--samples-per-shard 500 --test-samples 500 --val-samples 500
+
+# Co-teaching from the teacher on the web corpus (jobs/demo-web.yaml); baselines with --set.
+demo-web: $(STAMP) $(TEACHER) $(WEB_DATA)/val/ground_truth.parquet
+	$(BIN)/ncl-pipeline run jobs/demo-web.yaml
+
 # The report's browser test needs Chromium (Debian's package); installed when missing and root.
 browser:
 	@(command -v chromium && command -v chromedriver) >/dev/null || test "$$(id -u)" != 0 || \
@@ -64,4 +88,4 @@ schemas: $(STAMP)
 	$(BIN)/ncl-pipeline schemas --out schemas
 
 clean:
-	rm -rf runs/demo runs/demo-full
+	rm -rf runs/demo runs/demo-full runs/demo-web runs/teacher
