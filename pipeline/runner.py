@@ -83,10 +83,14 @@ def _absolute(path: str | None) -> str | None:
 
 def _with_absolute_paths(job: JobConfig) -> JobConfig:
     """Local paths resolved against the driver's directory: Ray Train runs its workers in a
-    directory of its own, so a relative output would land somewhere else."""
+    directory of its own, so a relative output (or checkpoint) would be looked for elsewhere."""
+    pretrained = job.model.pretrained
+    if pretrained and os.path.isfile(os.path.expanduser(pretrained)):  # not a pretrained tag
+        pretrained = _absolute(pretrained)
     return job.model_copy(
         update={
             "output": _absolute(job.output),
+            "model": job.model.model_copy(update={"pretrained": pretrained}),
             "eval": job.eval.model_copy(update={"ground_truth": _absolute(job.eval.ground_truth)}),
         }
     )

@@ -229,6 +229,23 @@ def test_missing_checkpoint_path_is_named(tmp_path):
 # Preflight: names and tags
 
 
+def test_a_relative_checkpoint_path_is_made_absolute_for_the_workers(tmp_path, monkeypatch):
+    """Ray Train workers run in a directory of their own: a job's relative checkpoint path
+    must reach them as an absolute one, while a pretrained tag stays a tag."""
+    from pipeline.config import load_job
+    from pipeline.runner import _with_absolute_paths
+
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "teacher.pt").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text("name: t\ninput: {shards: x.tar}\noutput: out\nmodel: {name: ncl-tiny}\n")
+    job = _with_absolute_paths(load_job(job_file, ["model.pretrained=w/teacher.pt"]))
+    assert job.model.pretrained == str(tmp_path / "w" / "teacher.pt")
+    tagged = _with_absolute_paths(load_job(job_file, ["model.pretrained=openai"]))
+    assert tagged.model.pretrained == "openai"
+
+
 def test_unknown_model_name_suggests_close_names():
     with pytest.raises(ModelLoadError, match="Unknown model") as err:
         check_weights_available(ModelSpec("vit-b-32", None))
