@@ -60,6 +60,7 @@ apply_loopback_defaults()
 
 import numpy as np  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
+import quality_web  # noqa: E402  (benchmarks/, beside this script)
 import yaml  # noqa: E402
 
 from pipeline.config import load_job  # noqa: E402
@@ -491,6 +492,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--epochs-per-round", type=int, default=2)
     parser.add_argument("--test-samples", type=int, default=500)
+    parser.add_argument(
+        "--corpus",
+        choices=["demo", "web"],
+        default="demo",
+        help="demo: the NCR-protocol corpus (above); web: the web-noise benchmark "
+        "(benchmarks/quality_web.py: every train.mode and method from the teacher, 3 seeds)",
+    )
+    quality_web.add_arguments(parser)
     args = parser.parse_args()
 
     from pipeline.runtime import init_ray
@@ -499,6 +508,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ncl-quality-") as scratch:
         workdir = Path(args.workdir or scratch)
         workdir.mkdir(parents=True, exist_ok=True)
+        if args.corpus == "web":
+            if args.methods == [None]:
+                args.methods = sorted(LABEL_METHODS)
+            quality_web.run_web(args, workdir)
+            return
         if args.coteach:
             for noise in args.noise:
                 run_coteaching(noise, args, workdir)
