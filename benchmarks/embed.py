@@ -21,7 +21,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pipeline.runtime import apply_loopback_defaults  # noqa: E402
+from pipeline.runtime.ray import apply_loopback_defaults  # noqa: E402
 
 apply_loopback_defaults()
 
@@ -120,7 +120,7 @@ def main() -> None:
     loaded = load_clip(spec, args.device)
     pixels, tokens = predecode(shards, loaded)
 
-    from pipeline.runtime import init_ray
+    from pipeline.runtime.ray import init_ray
 
     init_ray(None, num_cpus=args.threads)
     results: dict[str, list[float]] = {

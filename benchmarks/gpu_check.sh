@@ -31,7 +31,7 @@ import json, sys
 import faiss
 import torch
 
-from pipeline.devices import cuda_unusable_reason
+from pipeline.runtime.devices import cuda_unusable_reason
 
 reason = cuda_unusable_reason()
 if reason:

@@ -54,7 +54,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pipeline.runtime import apply_loopback_defaults  # noqa: E402
+from pipeline.runtime.ray import apply_loopback_defaults  # noqa: E402
 
 apply_loopback_defaults()
 
@@ -502,7 +502,7 @@ def main() -> None:
     quality_web.add_arguments(parser)
     args = parser.parse_args()
 
-    from pipeline.runtime import init_ray
+    from pipeline.runtime.ray import init_ray
 
     init_ray(None, args.num_cpus)
     with tempfile.TemporaryDirectory(prefix="ncl-quality-") as scratch:

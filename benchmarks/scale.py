@@ -57,7 +57,7 @@ def run_one(
     """Embed `shards` and run one label pass per method in this process; the figures."""
     from pipeline.config import EmbedConfig, IndexConfig, LabelsConfig
     from pipeline.models import ModelSpec
-    from pipeline.runtime import init_ray
+    from pipeline.runtime.ray import init_ray
     from pipeline.stages.embed import EmbedSpec, run_embed_pass
     from pipeline.stages.labels import LabelSpec, run_label_pass
 

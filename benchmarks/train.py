@@ -23,7 +23,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pipeline.runtime import apply_loopback_defaults  # noqa: E402
+from pipeline.runtime.ray import apply_loopback_defaults  # noqa: E402
 
 apply_loopback_defaults()
 
@@ -122,7 +122,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     args = parser.parse_args()
 
-    from pipeline.runtime import init_ray
+    from pipeline.runtime.ray import init_ray
 
     init_ray(None, num_cpus=2)
     spec = ModelSpec("ncl-tiny", None, "fp32", seed=0)

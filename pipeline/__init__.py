@@ -1,8 +1,8 @@
 """ncl-pipeline: soft correspondence labels for noisy image-text corpora, on Ray.
 
 Public surface: `load_job` (YAML -> validated JobConfig), `run_job` (run it), `read_labels`,
-and `setup_console` (show the pipeline's log on the terminal; see pipeline.console). Importing
-the package configures no logging.
+and `setup_console` (show the pipeline's log on the terminal; see pipeline.runtime.console).
+Importing the package configures no logging.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-# Every Ray worker process imports `pipeline.console` (the worker set-up hook, and thus this
+# Every Ray worker process imports `pipeline.runtime.console` (the worker set-up hook, and thus this
 # package) whether or not it runs pipeline code: Ray Train's controller, its placement-group
 # cleaner, Ray Data's stats actor. Eager imports of pydantic and pyarrow.dataset here cost each
 # of them 0.5 s of CPU (about 4 s per training round on 2 cores), so the public names load on
@@ -21,14 +21,14 @@ _PUBLIC = {
     "JobConfig": "pipeline.config",
     "JobConfigError": "pipeline.config",
     "load_job": "pipeline.config",
-    "setup_console": "pipeline.console",
+    "setup_console": "pipeline.runtime.console",
     "read_labels": "pipeline.labels",
 }
 
 if TYPE_CHECKING:
     from pipeline.config import JobConfig, JobConfigError, load_job
-    from pipeline.console import setup_console
     from pipeline.labels import read_labels
+    from pipeline.runtime.console import setup_console
 
 
 def __getattr__(name: str):
@@ -47,11 +47,11 @@ def run_job(job: JobConfig) -> dict:
     """Run `job` (see pipeline.runner.run_job); imported lazily so `import pipeline` stays light.
 
     Progress goes to the `pipeline` logger. When nothing has configured logging yet, the
-    terminal shows it as the CLI does (`pipeline.console.ensure_console`); an application with
-    its own logging set-up keeps it.
+    terminal shows it as the CLI does (`pipeline.runtime.console.ensure_console`); an application
+    with its own logging set-up keeps it.
     """
-    from pipeline.console import ensure_console
     from pipeline.runner import run_job as _run_job
+    from pipeline.runtime.console import ensure_console
 
     ensure_console()
     return _run_job(job)

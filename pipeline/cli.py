@@ -5,7 +5,7 @@ Errors a user can fix (bad job file, missing shards, missing weights, a conflict
 directory) are printed as one `error:` message and exit with status 2, without a traceback.
 
 The library logs through module loggers; every command shows them on the terminal through
-`pipeline.console.setup_console` (set up in `_console`, before the command runs).
+`pipeline.runtime.console.setup_console` (set up in `_console`, before the command runs).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ SET_HELP = "Override a job key, e.g. --set labels.method=rcr (repeatable)."
 @app.callback()
 def _console() -> None:
     # Runs before every command: the pipeline's log records to the terminal.
-    from pipeline.console import setup_console
+    from pipeline.runtime.console import setup_console
 
     setup_console()
 
@@ -56,8 +56,8 @@ def run(
 ) -> None:
     """Run the pipeline for a job (local Ray by default, or ray.address / RAY_ADDRESS)."""
     from pipeline.config import load_job
-    from pipeline.console import setup_console
     from pipeline.runner import run_job
+    from pipeline.runtime.console import setup_console
 
     if verbose:
         setup_console(verbose=True)

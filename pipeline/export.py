@@ -333,8 +333,8 @@ def _export_wds(
 ) -> dict[str, Any]:
     import ray
 
-    from pipeline.progress import Progress, as_completed
-    from pipeline.runtime import init_ray
+    from pipeline.runtime.progress import Progress, as_completed
+    from pipeline.runtime.ray import init_ray
     from pipeline.stages.export import assemble_output_shard, write_shard_part
 
     init_ray(address, num_cpus)

@@ -207,7 +207,7 @@ def run_job(job: JobConfig) -> dict:
     """Run the pipeline for `job` on Ray and return the metrics written to metrics.json.
 
     Progress and summaries go to this module's logger (and the stages' loggers); what the
-    terminal shows is set up by the caller (pipeline.console).
+    terminal shows is set up by the caller (pipeline.runtime.console).
 
     Raises:
         ShardPatternError: the input pattern matches no file.
@@ -217,8 +217,8 @@ def run_job(job: JobConfig) -> dict:
         RunFailedError: a stage failed (inside a Ray task or worker); one paragraph naming
             the stage, the cause and what to do, the traceback in <output>/logs/.
     """
-    from pipeline.preflight import check_cluster
-    from pipeline.runtime import init_ray
+    from pipeline.runtime.preflight import check_cluster
+    from pipeline.runtime.ray import init_ray
 
     job = _with_absolute_paths(job)
     layout = RunLayout(job.output)
@@ -230,7 +230,7 @@ def run_job(job: JobConfig) -> dict:
 
     logger.debug(f"input shards: {shard_paths}")
     where = init_ray(job.ray.address, job.ray.num_cpus)
-    check_cluster(job)  # refuses in seconds what no node could host (pipeline.preflight)
+    check_cluster(job)  # refuses in seconds what no node could host (pipeline.runtime.preflight)
     logger.info(
         f"ncl-pipeline: job '{job.name}', {len(shard_paths)} shards, {where}, "
         f"output {layout.output}"

@@ -54,7 +54,7 @@ def round_models(job: JobConfig, checkpoints: dict[str, str]) -> dict[str, Model
 
 def _train_settings(job: JobConfig, layout: RunLayout, shard_paths: list[str]) -> dict:
     """TrainSpec fields shared by the warm-up and the co-teaching rounds."""
-    from pipeline.runtime import cluster_resources
+    from pipeline.runtime.ray import cluster_resources
 
     _, gpus = cluster_resources()
 

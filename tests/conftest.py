@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-from pipeline.runtime import apply_loopback_defaults  # noqa: E402
+from pipeline.runtime.ray import apply_loopback_defaults  # noqa: E402
 
 apply_loopback_defaults()
 
@@ -18,7 +18,7 @@ def local_ray():
     runs its jobs in this process (`own_ray` modules run after it is stopped)."""
     import ray
 
-    from pipeline.runtime import init_ray
+    from pipeline.runtime.ray import init_ray
 
     init_ray(None, num_cpus=2)
     yield ray
@@ -62,7 +62,7 @@ def _gpu_state() -> str | None:
         elif _nvidia_gpus() == 0:
             _GPU_STATE.append("absent")
         else:
-            from pipeline.devices import cuda_unusable_reason
+            from pipeline.runtime.devices import cuda_unusable_reason
 
             _GPU_STATE.append(cuda_unusable_reason() or "torch.cuda.is_available() is False")
     return _GPU_STATE[0]

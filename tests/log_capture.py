@@ -8,7 +8,7 @@ import logging
 import subprocess
 from collections.abc import Iterator
 
-from pipeline.console import ConsoleFormatter, ConsoleHandler
+from pipeline.runtime.console import ConsoleFormatter, ConsoleHandler
 
 
 @contextlib.contextmanager
@@ -16,7 +16,7 @@ def console_output() -> Iterator[list[str]]:
     """Collects the lines the console shows on stdout while the block runs (filled on exit).
 
     The `pipeline` logger gets the CLI's console handler at INFO (removed afterwards) and stdout
-    is redirected, so the lines are the records as `pipeline.console` formats them, plus
+    is redirected, so the lines are the records as `pipeline.runtime.console` formats them, plus
     anything still printed on the driver.
     """
     logger = logging.getLogger("pipeline")

@@ -1,4 +1,5 @@
-"""Logging convention (pipeline.console): module loggers, one console, workers configure nothing."""
+"""Logging convention (pipeline.runtime.console): module loggers, one console, workers configure
+nothing."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.console import ensure_console, setup_console, setup_worker_logging
+from pipeline.runtime.console import ensure_console, setup_console, setup_worker_logging
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pipeline"
 ROOT = PACKAGE.parent
 
 # The modules that own what reaches the terminal: they may print and configure logging.
-CONSOLE_MODULES = {"console.py", "cli.py"}
+CONSOLE_MODULES = {"runtime/console.py", "cli.py"}
 # Module -> why it touches a logger other than its own. Every entry must still be needed.
 ALLOWED_LOGGER_CHANGES = {
     "models/loading.py": "filters open_clip's root-logger narration during a build, then restores",
@@ -97,7 +98,7 @@ def _problems(name: str, tree: ast.Module) -> list[str]:
 
 def test_library_modules_log_through_module_loggers_and_never_print():
     modules = _modules()
-    assert "console.py" in modules and "runner.py" in modules and len(modules) > 30
+    assert "runtime/console.py" in modules and "runner.py" in modules and len(modules) > 30
     problems = {name: _problems(name, tree) for name, tree in modules.items()}
     assert {name: found for name, found in problems.items() if found} == {}
     for name in ALLOWED_LOGGER_CHANGES:
@@ -264,7 +265,7 @@ def test_run_job_shows_the_console_only_when_nothing_configured_logging(pipeline
     result = _python(
         """
         import logging
-        from pipeline.console import ensure_console
+        from pipeline.runtime.console import ensure_console
 
         ensure_console()
         logging.getLogger("pipeline.runner").info("shown")

@@ -18,7 +18,7 @@ def _unit_rows(n: int, dim: int, seed: int) -> np.ndarray:
 
 
 def test_cuda_is_usable_here():
-    from pipeline.devices import cuda_unusable_reason
+    from pipeline.runtime.devices import cuda_unusable_reason
 
     assert cuda_unusable_reason() is None
 
@@ -34,7 +34,7 @@ def test_bf16_check_is_exact_for_the_device():
 
 @pytest.mark.ray
 def test_torch_device_follows_the_ray_grant(local_ray):
-    from pipeline.devices import granted_device
+    from pipeline.runtime.devices import granted_device
 
     ray = local_ray
 

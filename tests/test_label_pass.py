@@ -567,15 +567,15 @@ def test_sps_trainee_view(two_view_run, tmp_path):
 
 
 def test_label_pass_workers_import_no_torch():
-    """What label tasks and index actors import (pipeline.stages.labels, and pipeline.devices
-    for the GPU grant) loads no torch: each such worker is a fresh process, and importing
-    torch there cost ~2.5 s of CPU apiece (four index actors per job on 2 cores)."""
+    """What label tasks and index actors import (pipeline.stages.labels, and
+    pipeline.runtime.devices for the GPU grant) loads no torch: each such worker is a fresh process,
+    and importing torch there cost ~2.5 s of CPU apiece (four index actors per job on 2 cores)."""
     printed, loaded = run_fresh(
         "import importlib, pkgutil\n"
         "import pipeline.stages.labels as labels\n"
         "prefix = 'pipeline.stages.labels.'\n"
         "names = [m.name for m in pkgutil.walk_packages(labels.__path__, prefix)]\n"
-        "for name in names + ['pipeline.devices']:\n"
+        "for name in names + ['pipeline.runtime.devices']:\n"
         "    importlib.import_module(name)\n"
         "print(len(names))\n",
         {"torch"},

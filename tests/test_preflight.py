@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.config import JobConfig, JobConfigError
 from pipeline.core.faiss_gpu import gpu_index_problems
-from pipeline.preflight import check_requests, plan_requests
+from pipeline.runtime.preflight import check_requests, plan_requests
 
 BASE = {
     "name": "preflight",

@@ -1,11 +1,11 @@
-"""Progress lines (pipeline.progress) and the console's filter of Ray's noise."""
+"""Progress lines (pipeline.runtime.progress) and the console's filter of Ray's noise."""
 
 from __future__ import annotations
 
 import logging
 
-from pipeline.console import _FilteredForwarding, is_ray_noise
-from pipeline.progress import Progress, format_seconds
+from pipeline.runtime.console import _FilteredForwarding, is_ray_noise
+from pipeline.runtime.progress import Progress, format_seconds
 
 
 class _Clock:

@@ -70,7 +70,7 @@ def _scenario(corpus: Path, output: Path) -> None:
     """The child process: its own local Ray, the warm-up, then one co-teaching round."""
     from pipeline.io.layout import RunLayout
     from pipeline.models import ModelSpec
-    from pipeline.runtime import init_ray
+    from pipeline.runtime.ray import init_ray
     from pipeline.stages.train import run_training
 
     init_ray(None, num_cpus=4)

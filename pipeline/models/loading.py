@@ -7,7 +7,7 @@ Contract (part of :mod:`pipeline.models.clip`):
   weights on any device and loading never reseeds the caller.
 * :func:`load_transforms` gives the eval transform and tokenizer without building the model.
 * open_clip's root-logger narration is filtered while it builds, and logging is never
-  configured for good (pipeline.console owns the terminal).
+  configured for good (pipeline.runtime.console owns the terminal).
 """
 
 from __future__ import annotations

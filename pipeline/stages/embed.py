@@ -43,7 +43,6 @@ import torch
 
 from pipeline.config import EmbedConfig
 from pipeline.core.losses import batched_losses, fixed_size_loss_batches
-from pipeline.devices import granted_device
 from pipeline.io.admitted import (
     SHARD_BYTES_KEY,
     SHARD_SHA256_KEY,
@@ -67,6 +66,7 @@ from pipeline.io.tables import QUARANTINE_SCHEMA, embedding_schema, write_table_
 from pipeline.models import LoadedClip, ModelSpec, encode_pairs, load_clip
 from pipeline.models.weights import weights_version
 from pipeline.run_state import STAGE_KEY_META
+from pipeline.runtime.devices import granted_device
 
 __all__ = ["EmbedSpec", "EmbedShardStage", "SUMMARY_COLUMNS", "embed_shard", "embed_shards_on_cpu"]
 
@@ -434,7 +434,7 @@ class _PassTally:
 
 def _pool_size(spec: EmbedSpec, pending: int) -> tuple[int, float]:
     """(actors, GPUs per actor) for `pending` shards on the cluster Ray is connected to."""
-    from pipeline.runtime import cluster_resources
+    from pipeline.runtime.ray import cluster_resources
 
     concurrency = spec.embed.concurrency
     cpus_per_worker, gpus_per_worker = spec.embed.cpus_per_worker, spec.embed.gpus_per_worker
@@ -464,7 +464,7 @@ def _embed_pending(spec: EmbedSpec, pending: list[str], tally: _PassTally, start
         f"{use_gpus or 0:g} GPU and {cpus_per_worker:g} CPU each"
     )
     ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False  # the pass shows its own progress (pipeline.progress)
+    ctx.enable_progress_bars = False  # the pass shows its own progress (pipeline.runtime.progress)
     dataset = ray.data.from_items([{"path": p} for p in pending], override_num_blocks=len(pending))
     if use_gpus:
         how = dict(
@@ -480,7 +480,7 @@ def _embed_pending(spec: EmbedSpec, pending: list[str], tally: _PassTally, start
             compute=ray.data.TaskPoolStrategy(size=size),
         )
     summaries = dataset.map_batches(**how, batch_size=1, num_cpus=cpus_per_worker)
-    from pipeline.progress import Progress
+    from pipeline.runtime.progress import Progress
 
     what = f"embed round {spec.round_index}"
     with Progress(what, len(pending), "shards", log=logger) as progress:

@@ -35,7 +35,7 @@ import pyarrow as pa
 from pipeline.io.ground_truth import quality_arrays, quality_from_parts
 from pipeline.io.labels import LABELS_SCHEMA, SUBSET_VALUES, uid_of
 from pipeline.io.tables import read_json, read_table, write_json_atomic, write_table_atomic
-from pipeline.progress import Progress, as_completed
+from pipeline.runtime.progress import Progress, as_completed
 
 __all__ = ["ORACLE_SCHEMA", "publish_labels", "write_oracle_labels", "LabelViewMismatchError"]
 

@@ -147,7 +147,7 @@ def _label_shards(spec, shards, offsets, fits_ref, decisions, actors, context, t
     pending = {
         task.remote(spec, s, o, fits_ref, *shared): s for s, o in zip(shards, offsets, strict=True)
     }
-    from pipeline.progress import Progress, as_completed
+    from pipeline.runtime.progress import Progress, as_completed
 
     results = []
     what = f"labels round {spec.round_index} view {spec.view}"

@@ -100,7 +100,7 @@ class IndexStoreActor(IndexStore):
     """
 
     def __init__(self, dim: int, factory: str, nprobe: int | None, seed: int, restore: str) -> None:
-        from pipeline.devices import granted_faiss_gpus
+        from pipeline.runtime.devices import granted_faiss_gpus
 
         super().__init__(dim, factory, nprobe, seed, gpus=granted_faiss_gpus("index actor"))
         self.restore = restore

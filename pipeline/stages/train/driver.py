@@ -105,15 +105,15 @@ def _train_storage(path: str):
 
 
 class _EpochBars:
-    """The driver's progress bar of the epoch the workers are in (pipeline.progress), from the
-    counts rank 0 leaves on the progress board; the workers' epoch lines are logged here."""
+    """The driver's progress bar of the epoch the workers are in (pipeline.runtime.progress), from
+    the counts rank 0 leaves on the progress board; the workers' epoch lines are logged here."""
 
     def __init__(self) -> None:
         self.current = None
         self.finished: set[str] = set()
 
     def counts(self, counts: dict) -> None:
-        from pipeline.progress import Progress
+        from pipeline.runtime.progress import Progress
 
         for name, (done, total, note) in counts.items():
             if name in self.finished:
@@ -190,7 +190,7 @@ def run_training(spec: TrainSpec) -> dict:
         f"{', '.join(v.name for v in spec.views)}, {spec.train.workers} worker(s), "
         f"{'GPU' if spec.use_gpu else 'CPU'}, up to {spec.max_epochs} epochs"
     )
-    from pipeline.progress import ProgressBoard, follow_board
+    from pipeline.runtime.progress import ProgressBoard, follow_board
 
     remove_path(layout.train_error(spec.round_index))  # an earlier run's, since fixed
     board = ProgressBoard.start()

@@ -22,13 +22,13 @@ from pipeline.core.train_losses import (
     sps_consistency_losses,
     weighted_infonce,
 )
-from pipeline.devices import GpuUnusableError
 from pipeline.io.admitted import ShardChangedError
 from pipeline.io.checkpoints import load_torch, save_torch_atomic
 from pipeline.io.layout import RunLayout
 from pipeline.io.tables import read_json, write_json_atomic
 from pipeline.models import load_clip
 from pipeline.run_errors import root_cause
+from pipeline.runtime.devices import GpuUnusableError
 from pipeline.stages.train.data import (
     TARGET_STATS,
     epoch_batches,
@@ -296,7 +296,7 @@ def _train(spec: TrainSpec, board) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     if spec.use_gpu:
-        from pipeline.devices import GpuUnusableError, cuda_unusable_reason
+        from pipeline.runtime.devices import GpuUnusableError, cuda_unusable_reason
 
         reason = cuda_unusable_reason()
         if reason is not None:
@@ -360,7 +360,8 @@ def _epoch_name(spec: TrainSpec, epoch: int) -> str:
 
 
 def _report(board, name: str, done: int, total: int, note: str) -> None:
-    """Counts for the driver's progress bar (pipeline.progress); never waits for an answer."""
+    """Counts for the driver's progress bar (pipeline.runtime.progress); never waits for an
+    answer."""
     if board is not None:
         board.report.remote(name, done, total, note)
 

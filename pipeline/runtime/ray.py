@@ -42,9 +42,9 @@ def apply_loopback_defaults() -> None:
         os.environ.setdefault(key, value)
 
 
-# Every worker process of the job sets up its console this way (pipeline.console): what worker
-# code logs reaches the driver's terminal, and worker code itself configures no logging.
-WORKER_SETUP_HOOK = "pipeline.console.setup_worker_logging"
+# Every worker process of the job sets up its console this way (pipeline.runtime.console): what
+# worker code logs reaches the driver's terminal, and worker code itself configures no logging.
+WORKER_SETUP_HOOK = "pipeline.runtime.console.setup_worker_logging"
 
 
 def _worker_runtime_env() -> dict:
@@ -77,7 +77,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         apply_loopback_defaults()
     import ray
 
-    from pipeline.console import filter_stderr, quiet_ray
+    from pipeline.runtime.console import filter_stderr, quiet_ray
 
     if ray.is_initialized():
         return "existing Ray session"
@@ -108,7 +108,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
             "num_workers_soft_limit": max(IDLE_WORKERS, num_cpus or os.cpu_count() or 1)
         },
     )
-    quiet_ray()  # Ray's noise off the terminal, when pipeline.console owns it
+    quiet_ray()  # Ray's noise off the terminal, when pipeline.runtime.console owns it
     return "local Ray (127.0.0.1)"
 
 

@@ -5,7 +5,7 @@ Contract:
   driver: per-shard summary rows (embed), finished futures (`as_completed`: label, publish and
   export tasks), or counts a Ray Train worker sends to a `ProgressBoard` actor that the driver
   polls (`follow_board`). Workers never print their progress.
-- What the terminal shows is `pipeline.console`'s choice: a live bar with rate and time left
+- What the terminal shows is `pipeline.runtime.console`'s choice: a live bar with rate and time left
   when stdout is a terminal (`console.live_task`), otherwise one log line per `step` percent;
   either way one closing line with the count, the time taken and the rate. Progress lines go
   through the stage's logger like every other record, so they reach log files and tests too.
@@ -64,7 +64,7 @@ class Progress:
         closing_level: int = logging.INFO,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        from pipeline.console import live_task
+        from pipeline.runtime.console import live_task
 
         self.what, self.total, self.unit = what, total, unit
         self.log = log or logger

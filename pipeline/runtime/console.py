@@ -8,7 +8,7 @@ Convention:
   calls `ensure_console`, which does the same only when nothing has configured logging yet (a
   script or notebook sees the progress; an application with its own logging set-up keeps it).
 - Ray worker processes (actors, tasks, Ray Train loops) get `setup_worker_logging` through
-  Ray's `worker_process_setup_hook` (set by `pipeline.runtime.init_ray`); worker code itself
+  Ray's `worker_process_setup_hook` (set by `pipeline.runtime.ray.init_ray`); worker code itself
   configures nothing. Per-item results come back to the driver as return values and the driver
   logs them; workers log only what cannot wait (training progress), which Ray forwards from the
   worker's stdout/stderr to the driver.
@@ -21,7 +21,7 @@ we do not run, Ray Data's "progress bars disabled", the autoscaler's tip). They 
 log files (/tmp/ray/session_*/logs). Ray's duplicate-line folding stays on, so a line repeated
 by several workers is shown once.
 
-Progress (`pipeline.progress`): on a terminal, `live_task` draws a bar per long step (rich),
+Progress (`pipeline.runtime.progress`): on a terminal, `live_task` draws a bar per long step (rich),
 printed over by the log lines; elsewhere progress arrives as ordinary log lines.
 
 Format: INFO is the bare message (the run's summaries are tables meant to be read as they are),
@@ -282,7 +282,7 @@ class _StderrLineFilter:
 
 
 def quiet_ray() -> None:
-    """Drop `RAY_NOISE` from the terminal; called by `pipeline.runtime.init_ray` once Ray is
+    """Drop `RAY_NOISE` from the terminal; called by `pipeline.runtime.ray.init_ray` once Ray is
     up. Does nothing unless `setup_console` configured the terminal (an application that set
     up logging itself keeps Ray's output as Ray prints it). Safe to call again."""
     if not _STATE["owned"]:
@@ -380,7 +380,7 @@ class _LiveTask:
 
 def live_task(what: str, total: float | None, unit: str) -> _LiveTask | None:
     """A live bar when the console owns a terminal (see `setup_console`), else None: the
-    caller (`pipeline.progress.Progress`) then logs its progress as lines."""
+    caller (`pipeline.runtime.progress.Progress`) then logs its progress as lines."""
     bars = _STATE["live"]
     if bars is None:
         return None
