@@ -68,7 +68,7 @@ from pipeline.core.labels import LABEL_METHODS  # noqa: E402
 from pipeline.data.synthetic import make_corpus  # noqa: E402
 from pipeline.io.layout import RunLayout  # noqa: E402
 from pipeline.labels import read_labels  # noqa: E402
-from pipeline.runner import resolve_inputs, run_job  # noqa: E402
+from pipeline.run.runner import resolve_inputs, run_job  # noqa: E402
 from pipeline.stages.labels import LabelSpec, run_label_pass  # noqa: E402
 
 DEMO_CORRUPT = 0.005  # as `make demo-full` (Makefile): a few undecodable samples on purpose

@@ -37,7 +37,7 @@ from pipeline.config import load_job
 from pipeline.data.synthetic import make_corpus
 from pipeline.io.layout import RunLayout
 from pipeline.labels import read_labels
-from pipeline.runner import run_job
+from pipeline.run.runner import run_job
 
 FRACTIONS = (0.3, 0.5, None, 0.7)  # None: the mixture's fitted clean weight
 JOB = "jobs/demo-web.yaml"

@@ -44,13 +44,13 @@ def __dir__() -> list[str]:
 
 
 def run_job(job: JobConfig) -> dict:
-    """Run `job` (see pipeline.runner.run_job); imported lazily so `import pipeline` stays light.
+    """Run `job` (see pipeline.run.runner.run_job); imported lazily: `import pipeline` stays light.
 
     Progress goes to the `pipeline` logger. When nothing has configured logging yet, the
     terminal shows it as the CLI does (`pipeline.runtime.console.ensure_console`); an application
     with its own logging set-up keeps it.
     """
-    from pipeline.runner import run_job as _run_job
+    from pipeline.run.runner import run_job as _run_job
     from pipeline.runtime.console import ensure_console
 
     ensure_console()

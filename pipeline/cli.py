@@ -40,7 +40,7 @@ def _fail(message: str) -> None:
 
 def _guard(function, *args, **kwargs):
     """Call `function`; turn the errors a user can fix into a plain message."""
-    from pipeline.run_errors import UserError
+    from pipeline.errors import UserError
 
     try:
         return function(*args, **kwargs)
@@ -56,7 +56,7 @@ def run(
 ) -> None:
     """Run the pipeline for a job (local Ray by default, or ray.address / RAY_ADDRESS)."""
     from pipeline.config import load_job
-    from pipeline.runner import run_job
+    from pipeline.run.runner import run_job
     from pipeline.runtime.console import setup_console
 
     if verbose:
@@ -81,7 +81,7 @@ def validate(
     if config_only:
         return
     from pipeline.models import check_weights_available
-    from pipeline.runner import model_specs, resolve_inputs
+    from pipeline.run.runner import model_specs, resolve_inputs
 
     shards = _guard(resolve_inputs, job)
     typer.echo(f"ok: {len(shards)} input shards found")
@@ -198,7 +198,7 @@ def submit(
     follow: bool = typer.Option(False, "--follow", help="Stream the job's logs until it ends."),
 ) -> None:
     """Submit a job to a Ray cluster through the Ray Jobs API."""
-    from pipeline.submit import submit_job
+    from pipeline.run.submit import submit_job
 
     if not address:
         _fail("no cluster address: pass --address http://<head>:8265 (the Ray dashboard port)")
@@ -229,7 +229,7 @@ def status(
     """Stages of a run (done / pending / stale, when, how long), what a rerun would reuse and
     recompute, and the quarantine count. Reads files only (no Ray)."""
     from pipeline.config import load_job
-    from pipeline.run_status import run_status
+    from pipeline.run.status import run_status
 
     job = _guard(load_job, job_file, overrides) if job_file else None
     label = str(job_file) if job_file else ""

@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.core.labels import LABEL_METHODS
-from pipeline.run_errors import UserError
+from pipeline.errors import UserError
 
 __all__ = [
     "JobConfig",

@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from pipeline.errors import UserError
 from pipeline.io.labels import SUBSET_VALUES, uid_of
 from pipeline.io.tables import open_atomic, read_json, write_json_atomic
-from pipeline.run_errors import UserError
 
 __all__ = [
     "FORMATS",

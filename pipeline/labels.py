@@ -14,8 +14,8 @@ import os
 
 import pyarrow.dataset as ds
 
+from pipeline.errors import UserError
 from pipeline.io.labels import LABELS_SCHEMA, READABLE_SCHEMA_NAMES
-from pipeline.run_errors import UserError
 
 __all__ = ["LabelTableError", "labels_folder", "labels_folder_url", "read_labels"]
 

@@ -32,7 +32,7 @@ def pipeline_run(root: Path) -> dict:
 
     from pipeline.config import load_job
     from pipeline.data.synthetic import make_corpus
-    from pipeline.runner import resolve_inputs, run_job
+    from pipeline.run.runner import resolve_inputs, run_job
 
     corpus = root / "demo"
     make_corpus(

@@ -13,10 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import JobConfigError, load_job
+from pipeline.errors import RunFailedError
 from pipeline.io.admitted import ShardReference, fingerprint_change, read_reference
 from pipeline.io.shards import ShardReadError, ShardReadStats, iter_shard_records
-from pipeline.run_errors import RunFailedError, explain_failure
-from pipeline.runner import ShardFailuresError, run_job
+from pipeline.run.failures import explain_failure
+from pipeline.run.runner import ShardFailuresError, run_job
 
 JOB = """
 name: broken-shards

@@ -170,15 +170,15 @@ def test_checking_a_job_file_imports_neither_torch_nor_ray(tmp_path):
 
 
 def test_every_error_the_cli_explains_is_a_user_error():
+    from pipeline.errors import RunFailedError, ShardFailuresError, UserError
     from pipeline.export import ExportConflictError
     from pipeline.io.shards import ShardPatternError
     from pipeline.labels import LabelTableError
     from pipeline.models import ModelLoadError
-    from pipeline.run_errors import RunFailedError, ShardFailuresError, UserError
-    from pipeline.run_status import RunStatusError
-    from pipeline.runner import RunConflictError
+    from pipeline.run.runner import RunConflictError
+    from pipeline.run.status import RunStatusError
+    from pipeline.run.submit import SubmitError
     from pipeline.stages.export import ExportError
-    from pipeline.submit import SubmitError
 
     for error in (
         JobConfigError,

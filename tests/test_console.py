@@ -98,7 +98,7 @@ def _problems(name: str, tree: ast.Module) -> list[str]:
 
 def test_library_modules_log_through_module_loggers_and_never_print():
     modules = _modules()
-    assert "runtime/console.py" in modules and "runner.py" in modules and len(modules) > 30
+    assert "runtime/console.py" in modules and "run/runner.py" in modules and len(modules) > 30
     problems = {name: _problems(name, tree) for name, tree in modules.items()}
     assert {name: found for name, found in problems.items() if found} == {}
     for name in ALLOWED_LOGGER_CHANGES:
@@ -114,12 +114,12 @@ def test_library_modules_log_through_module_loggers_and_never_print():
         if "logger = logging.getLogger(__name__)" in ast.unparse(tree)
     ]
     for expected in (
-        "runner.py",
+        "run/runner.py",
         "stages/embed.py",
         "stages/labels/driver.py",
         "stages/train/loop.py",
         "stages/train/driver.py",
-        "submit.py",
+        "run/submit.py",
     ):
         assert expected in logging_modules
 
@@ -151,7 +151,7 @@ def test_the_checks_can_fail():
     ):
         assert expected in found, (expected, found)
     assert _problems("cli.py", ast.parse("print('shown')")) == []
-    assert _problems("runner.py", ast.parse("logger = logging.getLogger('x')")) == [
+    assert _problems("run/runner.py", ast.parse("logger = logging.getLogger('x')")) == [
         "module logger is logging.getLogger('x')",
         "line 1: logging.getLogger('x')",
     ]
@@ -268,12 +268,12 @@ def test_run_job_shows_the_console_only_when_nothing_configured_logging(pipeline
         from pipeline.runtime.console import ensure_console
 
         ensure_console()
-        logging.getLogger("pipeline.runner").info("shown")
+        logging.getLogger("pipeline.run.runner").info("shown")
         logging.getLogger().addHandler(logging.NullHandler())
         logging.getLogger("pipeline").handlers.clear()
         logging.getLogger("pipeline").setLevel(logging.NOTSET)
         ensure_console()  # configured now: a no-op
-        logging.getLogger("pipeline.runner").info("not shown")
+        logging.getLogger("pipeline.run.runner").info("not shown")
         """
     )
     assert result.returncode == 0, result.stderr

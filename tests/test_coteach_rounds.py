@@ -18,7 +18,7 @@ from log_capture import console_output
 from pipeline.config import load_job
 from pipeline.io.layout import RunLayout
 from pipeline.labels import read_labels
-from pipeline.runner import coteach_spec, resolve_inputs, run_job
+from pipeline.run.runner import coteach_spec, resolve_inputs, run_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -213,7 +213,7 @@ def test_the_filter_scores_with_the_initial_or_the_warmed_models(
 ):
     """train.filter_scorer initial keeps the top pairs by the job's starting model (round 0's
     one view, scored once: DataComp's filter); warmed by the mean of the two warmed models."""
-    from pipeline.train_specs import _cosine_filter
+    from pipeline.run.train_specs import _cosine_filter
 
     job = _one_round_after(
         sps_run, tmp_path / scorer, "cosine_filter", filter_fraction=0.4, filter_scorer=scorer

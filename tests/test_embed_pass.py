@@ -18,7 +18,7 @@ from shard_fixtures import write_corrupt_shard
 from pipeline.config import load_job
 from pipeline.data.synthetic import make_corpus
 from pipeline.io.shards import IMAGE_EXTENSIONS, RawRecord, iter_shard_records, shard_name
-from pipeline.runner import run_job
+from pipeline.run.runner import run_job
 
 pytestmark = pytest.mark.ray
 
@@ -88,7 +88,7 @@ def test_embed_pass_writes_tables_that_reconcile(local_ray, corpus, tmp_path, ca
     summaries = [
         record.getMessage()
         for record in caplog.records
-        if record.name == "pipeline.run_summary" and record.getMessage().startswith("\nsummary\n")
+        if record.name == "pipeline.run.summary" and record.getMessage().startswith("\nsummary\n")
     ]
     assert len(summaries) == 1 and f"  embedded:     {embed['embedded']}\n" in summaries[0]
     assert f"FAILED shard {corpus['garbage']}" in summaries[0]
@@ -200,7 +200,7 @@ def test_rerun_skips_complete_shards_and_redoes_partial_ones(local_ray, corpus, 
 def test_changed_configuration_recomputes_the_embeddings(local_ray, corpus, tmp_path):
     """A changed seed is no conflict any more: a rerun recomputes the embeddings and everything
     after them (what `ncl-pipeline status --job` predicts; tests/test_rerun.py runs reruns)."""
-    from pipeline.run_status import predict_rerun
+    from pipeline.run.status import predict_rerun
 
     path = _write_job(tmp_path, corpus["shards"][:1])
     run_job(load_job(path))

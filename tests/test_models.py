@@ -233,7 +233,7 @@ def test_a_relative_checkpoint_path_is_made_absolute_for_the_workers(tmp_path, m
     """Ray Train workers run in a directory of their own: a job's relative checkpoint path
     must reach them as an absolute one, while a pretrained tag stays a tag."""
     from pipeline.config import load_job
-    from pipeline.runner import _with_absolute_paths
+    from pipeline.run.runner import _with_absolute_paths
 
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / "teacher.pt").write_bytes(b"")

@@ -120,7 +120,7 @@ def test_run_refuses_in_seconds_what_the_local_ray_cannot_host(
     """The session's local Ray has 2 CPUs: an embed worker of 3 CPUs would wait forever, and
     two training workers would leave no CPU for their readers."""
     from pipeline.config import load_job
-    from pipeline.runner import run_job
+    from pipeline.run.runner import run_job
 
     job_file = tmp_path / "job.yaml"
     job_file.write_text(

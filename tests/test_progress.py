@@ -47,4 +47,4 @@ def test_ray_noise_is_dropped_and_everything_else_forwarded():
     forward({"pid": 5, "lines": ["Reporting training result 1: TrainingReport(checkpoint=None)"]})
     assert shown == [{"pid": 1, "lines": ["real warning"]}]
     assert is_ray_noise("Tip: use `ray status` to view detailed cluster status. To disable")
-    assert not is_ray_noise("WARNING pipeline.runner: 1 shard(s) could not be read")
+    assert not is_ray_noise("WARNING pipeline.run.runner: 1 shard(s) could not be read")

@@ -16,8 +16,8 @@ import pytest
 from log_capture import console_output
 
 from pipeline.config import load_job
-from pipeline.run_status import predict_rerun
-from pipeline.runner import RunConflictError, run_job
+from pipeline.run.runner import RunConflictError, run_job
+from pipeline.run.status import predict_rerun
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 
 from pipeline.config import JobConfig
 from pipeline.io.layout import RunLayout
-from pipeline.run_state import (
+from pipeline.run.state import (
     STAGE_KEY_META,
     RunState,
     StageKey,

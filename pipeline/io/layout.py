@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["RunLayout"]
+__all__ = ["STAGE_KEY_META", "RunLayout"]
+
+# Embeddings footer: the run-state key its shard was embedded under (pipeline.run.state), the
+# embed pass's per-shard completion marker.
+STAGE_KEY_META = "ncl.stage_key"
 
 
 @dataclass(frozen=True)
@@ -97,5 +101,5 @@ class RunLayout:
 
     def train_summary(self, round_index: int) -> str:
         """Written last by training (the round's summary; whether the round is complete and
-        current is the run state's record in manifest.json, `pipeline.run_state`)."""
+        current is the run state's record in manifest.json, `pipeline.run.state`)."""
         return self._join("rounds", round_index, "checkpoints", "train_summary.json")

@@ -27,7 +27,7 @@ from typing import Any
 
 from fsspec.core import url_to_fs
 
-from pipeline.run_errors import UserError
+from pipeline.errors import UserError
 
 __all__ = ["ShardPatternError", "expand_shard_patterns", "shard_name"]
 

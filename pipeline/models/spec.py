@@ -23,7 +23,7 @@ from typing import Any
 import open_clip
 import torch
 
-from pipeline.run_errors import UserError
+from pipeline.errors import UserError
 
 __all__ = [
     "CHECKPOINT_SUFFIXES",

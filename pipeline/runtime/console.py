@@ -64,7 +64,7 @@ _QUIET_WORKER_LOGGERS = {
 # Ray's loggers that print a failed task's or training worker's traceback where it happens
 # (in the worker, forwarded to the driver's terminal, or on the driver). The exception still
 # reaches `run_job`, which reports it as one paragraph and writes the whole chain to
-# <output>/logs/ (pipeline.run_errors); Ray Data also keeps them in its own log files.
+# <output>/logs/ (pipeline.run.failures); Ray Data also keeps them in its own log files.
 _FAILURE_LOGGERS = (
     "ray.data._internal.execution.streaming_executor_state",  # "An exception was raised ..."
     "ray.data.exceptions",  # "Full stack trace:"

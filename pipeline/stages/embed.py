@@ -7,7 +7,7 @@ Contract:
   data goes straight to `rounds/<r>/embeddings/<shard>.parquet` and never to the driver.
 - Per shard it writes `quarantine/<shard>.parquet` first (when asked to), then the embeddings
   table, atomically, with the shard's run-state key in its footer (`ncl.stage_key`): the table
-  is the shard's completion marker, and the driver (`pipeline.run_state`) passes only the shards
+  is the shard's completion marker, and the driver (`pipeline.run.state`) passes only the shards
   whose table is missing or of another key.
 - Losses follow docs/methods.md §1: embeddings are computed per sample, then losses on seeded,
   fixed-size batches of `batch_size` within the shard (remainder batch filled with other
@@ -51,7 +51,7 @@ from pipeline.io.admitted import (
     read_reference,
 )
 from pipeline.io.labels import uid_of
-from pipeline.io.layout import RunLayout
+from pipeline.io.layout import STAGE_KEY_META, RunLayout
 from pipeline.io.shards import (
     DecodedSample,
     DecodeOptions,
@@ -65,7 +65,6 @@ from pipeline.io.shards import (
 from pipeline.io.tables import QUARANTINE_SCHEMA, embedding_schema, write_table_atomic
 from pipeline.models import LoadedClip, ModelSpec, encode_pairs, load_clip
 from pipeline.models.weights import weights_version
-from pipeline.run_state import STAGE_KEY_META
 from pipeline.runtime.devices import granted_device
 
 __all__ = ["EmbedSpec", "EmbedShardStage", "SUMMARY_COLUMNS", "embed_shard", "embed_shards_on_cpu"]

@@ -27,10 +27,10 @@ from typing import Any
 
 import pyarrow as pa
 
+from pipeline.errors import UserError
 from pipeline.io.labels import SUBSET_VALUES, uid_of
 from pipeline.io.shards import RawRecord, iter_shard_records
 from pipeline.io.tables import file_exists, open_atomic, read_json, write_json_atomic
-from pipeline.run_errors import UserError
 
 __all__ = [
     "BLOCK",

@@ -6,7 +6,7 @@ Contract (docs/architecture.md, "The label pass"):
   also `rounds/<r>/mixture_<view>.json` (every fit), the method's proxies table if it has one,
   the FAISS index shards under `rounds/<r>/index_<view>/`, and last `spec.out_dir/
   _label_pass.json` (the summary). Whether a pass runs at all is the run state's decision
-  (`pipeline.run_state`): called, it always computes.
+  (`pipeline.run.state`): called, it always computes.
 - Steps, each a Ray task per shard (or an actor per index shard); the driver folds only O(bins)
   histograms, counts, a few cut points and metrics, never a per-sample list:
   1. rows and loss ranges; 2. histograms -> BMM/GMM fits; 3. partition counts and the method's

@@ -16,7 +16,7 @@ Contract:
   restarted run resumes from it and skips the batches already consumed. `model.pt` is written
   at the end (the best warm-up epoch by held-out rSum when there is a test split, else the last);
   `train_summary.json` goes last. Whether a round runs at all is the run state's decision
-  (`pipeline.run_state`); it deletes a round's checkpoints before training it under a new key.
+  (`pipeline.run.state`); it deletes a round's checkpoints before training it under a new key.
 - Warm-up (`mode="warmup"`): loss on all pairs, or (`select`) on the ⌊ε·b⌋ lowest-loss pairs of
   each batch once the model has left the chance plateau; length adapts (pipeline.core.schedule).
 - Co-teaching (`mode="labels"`): each view joins its own label table (the PEER's labels) and

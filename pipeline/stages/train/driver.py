@@ -1,5 +1,5 @@
 """`run_training`: one Ray Train `TorchTrainer` for a round (whether to run it at all is the
-run state's decision: `pipeline.run_state`)."""
+run state's decision: `pipeline.run.state`)."""
 
 from __future__ import annotations
 

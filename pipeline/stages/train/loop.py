@@ -22,12 +22,12 @@ from pipeline.core.train_losses import (
     sps_consistency_losses,
     weighted_infonce,
 )
+from pipeline.errors import root_cause
 from pipeline.io.admitted import ShardChangedError
 from pipeline.io.checkpoints import load_torch, save_torch_atomic
 from pipeline.io.layout import RunLayout
 from pipeline.io.tables import read_json, write_json_atomic
 from pipeline.models import load_clip
-from pipeline.run_errors import root_cause
 from pipeline.runtime.devices import GpuUnusableError
 from pipeline.stages.train.data import (
     TARGET_STATS,

@@ -13,49 +13,11 @@ import datetime as _dt
 import logging
 import traceback
 
-__all__ = ["RunFailedError", "ShardFailuresError", "UserError", "explain_failure", "root_cause"]
+from pipeline.errors import RunFailedError, inner_exception, root_cause
+
+__all__ = ["explain_failure"]
 
 logger = logging.getLogger(__name__)
-
-
-class UserError(Exception):
-    """An error its message lets the user fix (a bad job key, a missing shard or weights file,
-    a conflicting run directory): the CLI prints it as one `error:` line and exits with status
-    2, without a traceback. Every such error derives from it, so the CLI catches them without
-    importing the modules that raise them (torch and open_clip for a model error)."""
-
-
-class RunFailedError(UserError, RuntimeError):
-    """A stage of the run failed; the message is one paragraph meant for the user as is."""
-
-    def __init__(self, message: str, log_path: str | None = None) -> None:
-        super().__init__(message)
-        self.log_path = log_path
-
-
-class ShardFailuresError(UserError, RuntimeError):
-    """More shards failed to read than `input.max_failed_shards` allows."""
-
-
-def _inner(exc: BaseException) -> BaseException | None:
-    """The exception `exc` wraps, if any (Ray's wrappers first, then Python's chain)."""
-    for attribute in ("cause", "controller_failure"):
-        wrapped = getattr(exc, attribute, None)
-        if isinstance(wrapped, BaseException):
-            return wrapped
-    failures = getattr(exc, "worker_failures", None)
-    if isinstance(failures, dict) and failures:
-        return failures[min(failures)]
-    return exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
-
-
-def root_cause(exc: BaseException) -> BaseException:
-    """The innermost exception of `exc`'s wrapper and cause chain."""
-    seen = {id(exc)}
-    while (inner := _inner(exc)) is not None and id(inner) not in seen:
-        seen.add(id(inner))
-        exc = inner
-    return exc
 
 
 def _first_line(exc: BaseException) -> str:
@@ -94,7 +56,7 @@ def _write_log(exc: BaseException, stage: str, output: str) -> str | None:
     lines = [f"stage: {stage}\n", "\n"]
     lines += traceback.format_exception(type(exc), exc, exc.__traceback__)
     chained, seen = exc, {id(exc)}
-    while (inner := _inner(chained)) is not None and id(inner) not in seen:
+    while (inner := inner_exception(chained)) is not None and id(inner) not in seen:
         seen.add(id(inner))
         chained = inner
         lines += ["\nwrapped:\n"] + traceback.format_exception(type(inner), inner, None)

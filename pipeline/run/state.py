@@ -14,7 +14,7 @@ footer (`STAGE_KEY_META`); a shard whose table has the expected key is reused, s
 shard embeds only that shard (and then recomputes every corpus-wide stage).
 
 Pure: hashing and decisions only, plus `outputs_present` / `table_keys`, which look at files.
-`pipeline.runner` runs the stages with it; `ncl-pipeline status` (`pipeline.run_status`)
+`pipeline.run.runner` runs the stages with it; `ncl-pipeline status` (`pipeline.run.status`)
 predicts a rerun with the same functions.
 """
 
@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from pipeline.io.layout import STAGE_KEY_META
 
 __all__ = [
     "DEPENDS_ON",
@@ -49,7 +51,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-STAGE_KEY_META = "ncl.stage_key"  # embeddings footer: the key its shard was embedded under
 
 _DECODE = ("input.image_key", "input.caption_key", "input.max_image_pixels")
 _OPTIMISER = (

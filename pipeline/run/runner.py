@@ -14,12 +14,13 @@ from importlib import metadata
 from typing import Any
 
 from pipeline.config import JobConfig
+from pipeline.errors import RunFailedError, ShardFailuresError, UserError
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import expand_shard_patterns, shard_name
 from pipeline.io.tables import read_json, remove_path, write_json_atomic
 from pipeline.models import ModelSpec, check_weights_available
-from pipeline.run_errors import RunFailedError, ShardFailuresError, UserError, explain_failure
-from pipeline.run_state import (
+from pipeline.run.failures import explain_failure
+from pipeline.run.state import (
     RunState,
     embed_key,
     embed_plan,
@@ -31,8 +32,8 @@ from pipeline.run_state import (
     stage_key,
     table_keys,
 )
-from pipeline.run_summary import log_coteaching, log_embed_summary, log_round, log_warmup
-from pipeline.train_specs import (
+from pipeline.run.summary import log_coteaching, log_embed_summary, log_round, log_warmup
+from pipeline.run.train_specs import (
     coteach_spec,
     decode_options,
     round_models,

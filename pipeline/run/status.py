@@ -1,7 +1,7 @@
 """`ncl-pipeline status RUN`: a run directory's stages (done, pending, stale), their times, and
 what a rerun would reuse and recompute; no Ray, nothing written.
 
-The prediction uses the run state's own functions (`pipeline.run_state`: the stage graph, the
+The prediction uses the run state's own functions (`pipeline.run.state`: the stage graph, the
 keys, `decide`) on what is on disk: the manifest's stage records, the embeddings footers, the
 stages' outputs and the input shards' sizes. It assumes that a shard without embeddings is
 embedded by the rerun, except a shard that failed last time (`shards.failed` in the manifest):
@@ -14,11 +14,11 @@ import os
 from dataclasses import dataclass
 
 from pipeline.config import JobConfig
+from pipeline.errors import UserError
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import expand_shard_patterns, shard_name
 from pipeline.io.tables import read_json
-from pipeline.run_errors import UserError
-from pipeline.run_state import (
+from pipeline.run.state import (
     Decision,
     embed_key,
     embed_plan,
@@ -68,7 +68,7 @@ def _embed_decision(job, node, layout, state, usable: dict[str, str], retried: d
 
 def predict_rerun(run_dir: str, job: JobConfig, manifest: dict | None = None) -> Prediction:
     """What `run_job(job)` into `run_dir` would reuse and recompute, stage by stage."""
-    from pipeline.run_state import decide
+    from pipeline.run.state import decide
 
     manifest = manifest if manifest is not None else _manifest(run_dir)
     layout = RunLayout(run_dir)

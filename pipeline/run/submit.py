@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.config import load_job
-from pipeline.run_errors import UserError
+from pipeline.errors import UserError
 
 __all__ = ["SubmitError", "submit_job"]
 

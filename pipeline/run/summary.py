@@ -1,5 +1,5 @@
 """The run's console summaries: the embed pass, the warm-up, each co-teaching round, the
-co-teaching table (logged by `pipeline.runner`)."""
+co-teaching table (logged by `pipeline.run.runner`)."""
 
 from __future__ import annotations
 
