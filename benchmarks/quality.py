@@ -63,11 +63,11 @@ import pyarrow.parquet as pq  # noqa: E402
 import quality_web  # noqa: E402  (benchmarks/, beside this script)
 import yaml  # noqa: E402
 
+from pipeline.clients.read import read_labels  # noqa: E402
 from pipeline.config import load_job  # noqa: E402
 from pipeline.core.labels import LABEL_METHODS  # noqa: E402
 from pipeline.data.synthetic import make_corpus  # noqa: E402
 from pipeline.io.layout import RunLayout  # noqa: E402
-from pipeline.labels import read_labels  # noqa: E402
 from pipeline.run.runner import resolve_inputs, run_job  # noqa: E402
 from pipeline.stages.labels import LabelSpec, run_label_pass  # noqa: E402
 

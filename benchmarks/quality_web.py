@@ -33,10 +33,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from pipeline.clients.read import read_labels
 from pipeline.config import load_job
 from pipeline.data.synthetic import make_corpus
 from pipeline.io.layout import RunLayout
-from pipeline.labels import read_labels
 from pipeline.run.runner import run_job
 
 FRACTIONS = (0.3, 0.5, None, 0.7)  # None: the mixture's fitted clean weight

@@ -22,12 +22,12 @@ _PUBLIC = {
     "JobConfigError": "pipeline.config",
     "load_job": "pipeline.config",
     "setup_console": "pipeline.runtime.console",
-    "read_labels": "pipeline.labels",
+    "read_labels": "pipeline.clients.read",
 }
 
 if TYPE_CHECKING:
+    from pipeline.clients.read import read_labels
     from pipeline.config import JobConfig, JobConfigError, load_job
-    from pipeline.labels import read_labels
     from pipeline.runtime.console import setup_console
 
 

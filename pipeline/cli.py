@@ -213,7 +213,7 @@ def inspect(
     view: str = typer.Option(None, help="Embeddings view of a round's labels (a, b)."),
 ) -> None:
     """Print counts per subset, label quantiles, mixture fits and the quarantine summary."""
-    from pipeline.inspect_run import inspect_run
+    from pipeline.reporting.inspect import inspect_run
 
     typer.echo(_guard(inspect_run, run_dir, view=view))
 
@@ -242,7 +242,7 @@ def report(
     view: str = typer.Option(None, help="Embeddings view of a round's labels (a, b)."),
 ) -> None:
     """(Re)generate <run>/report/index.html: loss histogram with fits, label histograms, gallery."""
-    from pipeline.report import write_report
+    from pipeline.reporting.report import write_report
 
     typer.echo(f"wrote {_guard(write_report, run_dir, view=view)}")
 

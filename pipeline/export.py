@@ -194,7 +194,7 @@ def shard_names(n: int) -> list[str]:
 
 def _label_files(run: str) -> dict[str, str]:
     """{shard: label table path} of the published tables under `run` (read_labels' rules)."""
-    from pipeline.labels import _parquet_files, labels_folder
+    from pipeline.clients.read import _parquet_files, labels_folder
 
     fs, folder = labels_folder(run)
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
@@ -278,14 +278,14 @@ def export_run(
         counts, output files; `skipped` is True when the export was already complete.
 
     Raises:
-        pipeline.labels.LabelTableError: no label tables under `spec.run`.
+        pipeline.clients.read.LabelTableError: no label tables under `spec.run`.
         ExportConflictError: `spec.out` holds something else (see the module contract).
     """
     files = _label_files(spec.run)
     infos = {shard: _file_info(path) for shard, path in files.items()}
     unknown = {i["schema"] for i in infos.values()} - {"labels.v1", "labels.v2"}
     if unknown:
-        from pipeline.labels import LabelTableError
+        from pipeline.clients.read import LabelTableError
 
         raise LabelTableError(f"{spec.run}: not label tables (ncl.schema={sorted(unknown)})")
     plan = {
@@ -449,13 +449,13 @@ def _export_keys(spec: ExportSpec, files: dict[str, str]) -> dict[str, Any]:
 def open_clip_command(summary: dict[str, Any], model: str = "ViT-B-32") -> str:
     """The open_clip command line that trains on a `wds` export.
 
-    It runs open_clip's own trainer through `pipeline.train_open_clip`, which registers this
+    It runs open_clip's own trainer through `pipeline.clients.open_clip`, which registers this
     package's model configs (e.g. ncl-tiny) and fixes open_clip_train's known incompatibility
     with current webdataset releases (see that module); the arguments are open_clip_train's.
     """
     workers = max(1, min(4, summary.get("shards") or 1))  # open_clip: shards >= workers
     return (
-        f"python -m pipeline.train_open_clip --train-data '{summary['pattern']}' "
+        f"python -m pipeline.clients.open_clip --train-data '{summary['pattern']}' "
         f"--dataset-type webdataset --model {model} --batch-size 256 --epochs 1 "
         f"--workers {workers}"
     )

@@ -285,8 +285,8 @@ def test_label_forms_and_config():
 @pytest.mark.ray
 def test_label_pass_writes_assign_tables(local_ray, tmp_path):
     """One small pass on Ray: min(p, a) labels that rank well and the proxies table."""
+    from pipeline.clients.read import read_labels
     from pipeline.io.labels import SPS_PROXIES_SCHEMA
-    from pipeline.labels import read_labels
     from pipeline.stages.labels import LabelSpec, run_label_pass
 
     info = write_blob_run(tmp_path / "run", n=240, shards=2, noise=0.3, partial=0.0, seed=1)

@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 from log_capture import console_output
 
+from pipeline.clients.read import read_labels
 from pipeline.config import load_job
 from pipeline.io.layout import RunLayout
-from pipeline.labels import read_labels
 from pipeline.run.runner import coteach_spec, resolve_inputs, run_job
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -231,8 +231,8 @@ def real_run(pipeline_run) -> dict:
 def test_published_labels_carry_uid_and_image_sha256(real_run, tmp_path):
     import pyarrow.parquet as pq
 
+    from pipeline.clients.read import read_labels
     from pipeline.io.labels import uid_of
-    from pipeline.labels import read_labels
 
     table = read_labels(real_run["run"]).to_table()
     truth = pq.read_table(real_run["corpus"] / "ground_truth.parquet").to_pylist()
@@ -267,7 +267,7 @@ def test_open_clip_trains_on_the_exported_shards(local_ray, corpus, tmp_path):
     summary = _export(corpus, out, samples_per_shard=16)
     logs = tmp_path / "logs"
     command = [
-        sys.executable, "-m", "pipeline.train_open_clip",
+        sys.executable, "-m", "pipeline.clients.open_clip",
         "--train-data", summary["pattern"], "--dataset-type", "webdataset",
         "--model", "ncl-tiny", "--batch-size", "8", "--epochs", "1", "--workers", "1",
         "--lr", "1e-4", "--warmup", "1", "--device", "cpu", "--precision", "fp32",

@@ -32,8 +32,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.clients.read import read_labels
 from pipeline.data.synthetic import make_corpus
-from pipeline.labels import read_labels
 
 # A test's budget covers the module's reference run too (the first test sets it up).
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.own_ray, pytest.mark.timeout(900)]

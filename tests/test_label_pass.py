@@ -16,11 +16,11 @@ import pytest
 from fresh_interpreter import run_fresh
 from label_fixtures import write_blob_run
 
+from pipeline.clients.read import read_labels
 from pipeline.config import EmbedConfig, IndexConfig, LabelsConfig
 from pipeline.core.labels.in_memory import label_in_memory
 from pipeline.core.mixture import MixtureFit, clean_posterior
 from pipeline.io.labels import LABELS_SCHEMA, SPS_PROXIES_SCHEMA, labels_json_schema
-from pipeline.labels import read_labels
 from pipeline.stages.labels import LabelSpec, run_label_pass
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,13 +16,13 @@ import pytest
 from report_browser import check_report_in_browser
 
 import pipeline
-from pipeline.inspect_run import QUANTILES, _histogram_quantiles, inspect_run
+from pipeline.clients.read import LabelTableError, read_labels
 from pipeline.io.labels import LABELS_SCHEMA
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import iter_shard_records, shard_name
 from pipeline.io.tables import sample_rows
-from pipeline.labels import LabelTableError, read_labels
-from pipeline.report import write_report
+from pipeline.reporting.inspect import QUANTILES, _histogram_quantiles, inspect_run
+from pipeline.reporting.report import write_report
 from pipeline.stages.labels import LabelSpec, run_label_pass
 
 pytestmark = pytest.mark.ray

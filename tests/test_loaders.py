@@ -1,4 +1,5 @@
-"""`pipeline.loaders` with the real clients: webdataset's `.select` and open_clip's `ClipLoss`."""
+"""`pipeline.clients.loaders` with the real clients: webdataset's `.select` and open_clip's
+`ClipLoss`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from export_fixtures import truth_labelled_corpus
 
-from pipeline.loaders import LabelSelect, label_weighted_clip_loss
+from pipeline.clients.loaders import LabelSelect, label_weighted_clip_loss
 
 
 @pytest.fixture(scope="module")

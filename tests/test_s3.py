@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 from moto.server import ThreadedMotoServer
 
+from pipeline.clients.read import read_labels
 from pipeline.data.synthetic import make_corpus
 from pipeline.io.labels import SUBSET_VALUES
-from pipeline.labels import read_labels
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.own_ray]
 ROOT = Path(__file__).resolve().parents[1]

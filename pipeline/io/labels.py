@@ -3,7 +3,7 @@ its JSON export.
 
 Contract:
 - `LABELS_SCHEMA` is the only definition of the label table. The label pass writes every file
-  with it (plus per-file metadata from `labels_file_metadata`), `pipeline.labels.read_labels`
+  with it (plus per-file metadata from `labels_file_metadata`), `pipeline.clients.read.read_labels`
   reads with it, and `schemas/labels.v2.json` is generated from it (`labels_json_schema`).
 - Versions (contracts change only by a versioned, documented step). `labels.v2` =
   `labels.v1` + two nullable columns appended at the end, `uid` and `image_sha256`, the stable

@@ -267,7 +267,7 @@ def _run_stages(job, layout: RunLayout, shard_paths, views, run: _RunRecord) -> 
     run.stage = "publishing the labels"
     _publish(job, layout, usable, run, last)
     # 5. The HTML report (loss histogram with fits, label histograms, galleries).
-    from pipeline.report import write_report
+    from pipeline.reporting.report import write_report
 
     run.stage = "the report"
     logger.info(f"report: {write_report(layout.output)}")

@@ -127,7 +127,7 @@ def run_status(run_dir: str | os.PathLike, job: JobConfig | None = None, label: 
     Raises:
         RunStatusError: no manifest.json, or its recorded job no longer validates.
     """
-    from pipeline.inspect_run import quarantine_lines
+    from pipeline.reporting.inspect import quarantine_lines
 
     run_dir = os.fspath(run_dir).rstrip("/")
     manifest = _manifest(run_dir)

@@ -41,7 +41,7 @@ class LabelSelect:
             subsets: also require `subset` in these (None: any subset).
             cache_shards: shards whose {key: label} stay in memory.
         """
-        from pipeline.labels import labels_folder
+        from pipeline.clients.read import labels_folder
 
         fs, folder = labels_folder(run)  # fails early, naming the path, when there are no tables
         protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]

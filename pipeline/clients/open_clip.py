@@ -1,6 +1,6 @@
 """open_clip's own trainer with this package's model configs registered.
 
-Contract: `python -m pipeline.train_open_clip ARGS` is `python -m open_clip_train.main ARGS`
+Contract: `python -m pipeline.clients.open_clip ARGS` is `python -m open_clip_train.main ARGS`
 (open_clip_torch's training entry point, unchanged) after two set-up steps:
 - `pipeline/models/model_configs/*.json` (e.g. `ncl-tiny`) are registered with open_clip, so
   `--model ncl-tiny` resolves;

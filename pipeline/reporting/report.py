@@ -1,13 +1,13 @@
 """`ncl-pipeline report RUN`: `<run>/report/index.html` with PNG figures (matplotlib, Agg).
 
-Contract: `write_report(run_dir)` reads the label tables (`pipeline.labels.read_labels`), their
-metadata (mixture fits, source shard paths), the label pass summary and, when available, the
+Contract: `write_report(run_dir)` reads the label tables (`pipeline.clients.read.read_labels`),
+their metadata (mixture fits, source shard paths), the label pass summary and, when available, the
 ground truth; it writes only under `<run>/report/`:
 - `loss_mixture.png`: histogram of the normalised losses with the fitted BMM and GMM densities
   (each component and the sum) and the clean/noisy threshold of each (BiCro Fig. 4 style);
 - `soft_labels.png`: soft_label and clean_prob histograms split by the true kind (clean /
   partial / mismatched) when ground truth exists, else by subset;
-- `rounds.png` and the run's story (`pipeline.report_story`, from metrics.json): label AUROC
+- `rounds.png` and the run's story (`pipeline.reporting.story`, from metrics.json): label AUROC
   and held-out rSum per round, mixture fits and the share of pairs per subset of every pass;
 - `thumbs/*.png` + three galleries that help judge the labels: the borderline pairs around the
   clean/noisy cut, the pairs called clean with the lowest cosine, and those called noisy with
@@ -197,9 +197,9 @@ def _losses_and_mixture(
     """The losses the mixture was fitted on (at most `max_rows`), and that mixture's record."""
     import json
 
-    from pipeline.inspect_run import label_table_metadata
+    from pipeline.clients.read import read_labels
     from pipeline.io.tables import sample_rows
-    from pipeline.labels import read_labels
+    from pipeline.reporting.inspect import label_table_metadata
 
     mixture = json.loads(meta.get("ncl.mixture", "{}") or "{}")
     loss = table.column("loss").to_numpy().astype(np.float64)
@@ -418,14 +418,14 @@ def write_report(
             (every k-th row), so the driver's memory does not grow with the corpus.
 
     Raises:
-        pipeline.labels.LabelTableError: no label tables under `run_dir`.
+        pipeline.clients.read.LabelTableError: no label tables under `run_dir`.
     """
     import fsspec
 
-    from pipeline.inspect_run import _run_dir_of, label_table_metadata
+    from pipeline.clients.read import labels_folder_url, read_labels
     from pipeline.io.tables import read_json, sample_rows
-    from pipeline.labels import labels_folder_url, read_labels
-    from pipeline.report_story import rounds_figure, story_html, summary_html
+    from pipeline.reporting.inspect import _run_dir_of, label_table_metadata
+    from pipeline.reporting.story import rounds_figure, story_html, summary_html
 
     plt = _pyplot()
     dataset = read_labels(run_dir, view=view)

@@ -1,6 +1,6 @@
 """`ncl-pipeline inspect RUN`: a plain-text summary of a run's label tables and quarantine.
 
-Contract: `inspect_run(path)` reads only the label tables (via `pipeline.labels.read_labels`:
+Contract: `inspect_run(path)` reads only the label tables (via `pipeline.clients.read.read_labels`:
 the subset and soft_label columns plus the file metadata), the label pass summary beside them
 when present, and `quarantine/`; it writes nothing and returns the text.
 """
@@ -115,10 +115,10 @@ def inspect_run(path: str | os.PathLike, *, view: str | None = None) -> str:
         The report as text (lines joined by newlines).
 
     Raises:
-        pipeline.labels.LabelTableError: no label tables under `path`.
+        pipeline.clients.read.LabelTableError: no label tables under `path`.
     """
+    from pipeline.clients.read import labels_folder_url, read_labels
     from pipeline.io.tables import read_json
-    from pipeline.labels import labels_folder_url, read_labels
 
     dataset = read_labels(path, view=view)
     folder = labels_folder_url(path, view)

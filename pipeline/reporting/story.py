@@ -1,6 +1,6 @@
 """The report's story of a run, from `metrics.json`: the summary at the top of the page, the
 table and figure of label quality and retrieval per co-teaching round, the mixture fits and the
-share of pairs per subset of every label pass (`pipeline.report` lays them out)."""
+share of pairs per subset of every label pass (`pipeline.reporting.report` lays them out)."""
 
 from __future__ import annotations
 
