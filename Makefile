@@ -59,7 +59,7 @@ teacher: $(STAMP) $(TEACHER)
 
 # Web-like noise (docs/corpus.md): page swaps, boilerplate, page captions, duplicates, clutter.
 $(WEB_DATA)/val/ground_truth.parquet: | $(STAMP)
-	$(BIN)/ncl-pipeline make-corpus --noise-model web --out $(WEB_DATA) --samples 3000 --seed 0 \
+	$(BIN)/ncl-pipeline make-corpus --noise-model web --out $(WEB_DATA) --samples 2000 --seed 0 \
 		--samples-per-shard 500 --test-samples 500 --val-samples 500
 
 # Co-teaching from the teacher on the web corpus (jobs/demo-web.yaml); baselines with --set.
