@@ -122,7 +122,6 @@ def subgroup_recall(job, round_index: int, test_truth: dict) -> dict:
     import torch
 
     from pipeline.core.metrics import similarity_for_eval
-    from pipeline.evaluation import embed_eval_set, load_eval_set
     from pipeline.io.shards import (
         Rejection,
         decode_record,
@@ -130,6 +129,7 @@ def subgroup_recall(job, round_index: int, test_truth: dict) -> dict:
         iter_shard_records,
     )
     from pipeline.models import ModelSpec, load_clip
+    from pipeline.stages.train.evaluation import embed_eval_set, load_eval_set
 
     layout = RunLayout(job.output)
     shards = expand_shard_patterns(job.eval.test_shards)

@@ -272,7 +272,7 @@ def export(
     address: str = typer.Option(None, "--address", help="Ray cluster (default: local Ray)."),
 ) -> None:
     """Export the kept pairs for training: webdataset shards, DataComp uid file, or key list."""
-    from pipeline.export import ExportSpec, export_run, format_summary, run_model_name
+    from pipeline.stages.export.driver import ExportSpec, export_run, format_summary, run_model_name
 
     try:
         spec = ExportSpec(

@@ -134,9 +134,9 @@ def test_a_worker_failure_is_one_paragraph_and_a_log_file(local_ray, tmp_path):
 def test_broken_shards_are_left_out_and_repeated_keys_kept_once(
     local_ray, clean_corpus, tmp_path, monkeypatch
 ):
-    import pipeline.stages.dedup as dedup
+    import pipeline.stages.keys as keys_stage
 
-    monkeypatch.setattr(dedup, "KEYS_PER_PARTITION", 50)  # several hash partitions
+    monkeypatch.setattr(keys_stage, "KEYS_PER_PARTITION", 50)  # several hash partitions
     corpus = _copy_shards(clean_corpus, tmp_path / "corpus")
     (corpus / "00006.tar").write_bytes(b"")  # an interrupted download
     (corpus / "00007.tar").write_bytes(HTML)  # an error page saved as a shard
@@ -180,17 +180,17 @@ def test_broken_shards_are_left_out_and_repeated_keys_kept_once(
 def test_a_shard_deleted_after_the_embed_pass_is_reported_not_mixed(
     local_ray, clean_corpus, tmp_path, monkeypatch
 ):
-    import pipeline.stages.dedup as dedup
+    import pipeline.stages.keys as keys_stage
 
     corpus = _copy_shards(clean_corpus, tmp_path / "corpus")
-    original = dedup.run_key_check
+    original = keys_stage.run_key_check
 
     def then_delete(output, shards):
         result = original(output, shards)
         (corpus / "00003.tar").unlink()  # between the embed pass and the next one
         return result
 
-    monkeypatch.setattr(dedup, "run_key_check", then_delete)
+    monkeypatch.setattr(keys_stage, "run_key_check", then_delete)
     metrics = run_job(_job(tmp_path, corpus, "run"))
     out = tmp_path / "run"
     changed = metrics["shards"]["changed"]
@@ -208,10 +208,10 @@ def test_a_shard_deleted_after_the_embed_pass_is_reported_not_mixed(
 def test_a_shard_changed_in_place_stops_training_with_one_paragraph(
     local_ray, clean_corpus, tmp_path, monkeypatch, capfd
 ):
-    import pipeline.stages.dedup as dedup
+    import pipeline.stages.keys as keys_stage
 
     corpus = _copy_shards(clean_corpus, tmp_path / "corpus")
-    original = dedup.run_key_check
+    original = keys_stage.run_key_check
 
     def then_touch(output, shards):
         result = original(output, shards)
@@ -220,7 +220,7 @@ def test_a_shard_changed_in_place_stops_training_with_one_paragraph(
         (corpus / "00001.tar").write_bytes(bytes(data))
         return result
 
-    monkeypatch.setattr(dedup, "run_key_check", then_touch)
+    monkeypatch.setattr(keys_stage, "run_key_check", then_touch)
     with pytest.raises(RunFailedError) as failed:
         run_job(_job(tmp_path, corpus, "run", warmup=1))
     message = str(failed.value)

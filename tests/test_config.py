@@ -172,13 +172,13 @@ def test_checking_a_job_file_imports_neither_torch_nor_ray(tmp_path):
 def test_every_error_the_cli_explains_is_a_user_error():
     from pipeline.clients.read import LabelTableError
     from pipeline.errors import RunFailedError, ShardFailuresError, UserError
-    from pipeline.export import ExportConflictError
     from pipeline.io.shards import ShardPatternError
     from pipeline.models import ModelLoadError
     from pipeline.run.runner import RunConflictError
     from pipeline.run.status import RunStatusError
     from pipeline.run.submit import SubmitError
-    from pipeline.stages.export import ExportError
+    from pipeline.stages.export.driver import ExportConflictError
+    from pipeline.stages.export.tasks import ExportError
 
     for error in (
         JobConfigError,

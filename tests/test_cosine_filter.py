@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.stages.cosine_filter import FILTER_SCHEMA, write_cosine_filter
+from pipeline.stages.baselines.cosine_filter import FILTER_SCHEMA, write_cosine_filter
 
 
 def _embeddings(root, sizes, seed=0):

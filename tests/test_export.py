@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from export_fixtures import truth_labelled_corpus
 
-from pipeline.export import ExportConflictError, ExportSpec, export_run
+from pipeline.stages.export.driver import ExportConflictError, ExportSpec, export_run
 
 pytestmark = pytest.mark.ray
 

@@ -45,7 +45,7 @@ Quarantine reasons (:data:`QUARANTINE_REASONS`). Reader reasons, one per sample 
 * ``duplicate_member``: the same extension twice within one sample group.
 * ``duplicate_key``: a key already seen earlier in the shard (the earlier group is kept). The
   same reason marks a key found in an earlier shard (sorted by name), with that shard in
-  ``detail``: the run's corpus-wide key check (:mod:`pipeline.stages.dedup`) writes those rows,
+  ``detail``: the run's corpus-wide key check (:mod:`pipeline.stages.keys`) writes those rows,
   not this reader.
 * ``member_too_large``: an allow-listed member bigger than ``max_member_bytes`` (never read).
 * ``truncated_shard``: the tar broke mid-way (truncated data, corrupt header, missing

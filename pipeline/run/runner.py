@@ -278,7 +278,7 @@ def _admit_shards(job, layout: RunLayout, shard_paths, embed: dict, run: _RunRec
 
     Raises ShardFailuresError when more failed than input.max_failed_shards allows.
     """
-    from pipeline.stages.dedup import run_key_check
+    from pipeline.stages.keys import run_key_check
 
     sizes = shard_sizes(layout, 0, shard_paths)
     errors = {f["path"]: f["error"] for f in embed["shards_failed"]}

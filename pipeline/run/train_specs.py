@@ -105,7 +105,7 @@ def coteach_spec(
     pairs only: the same trainer, data path and schedule, for an honest comparison.
     """
     from pipeline.core.labels import get_method
-    from pipeline.stages.publish import write_oracle_labels
+    from pipeline.stages.baselines.oracle import write_oracle_labels
     from pipeline.stages.train import TrainSpec, ViewSpec
 
     train = job.train
@@ -160,7 +160,7 @@ def _cosine_filter(job: JobConfig, layout: RunLayout, sizes: dict[str, int], rou
 
     from pipeline.core.mixture import MixtureFit
     from pipeline.io.tables import file_exists
-    from pipeline.stages.cosine_filter import write_cosine_filter
+    from pipeline.stages.baselines.cosine_filter import write_cosine_filter
 
     fraction = job.train.filter_fraction
     if fraction is None:  # the clean share the mixtures found under the warmed models

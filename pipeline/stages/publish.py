@@ -1,4 +1,4 @@
-"""Publish stage: the final `labels/` from the last round's two views; oracle label tables.
+"""Publish stage: the final `labels/` from the last round's two views.
 
 Contract:
 - `publish_labels(sources, out_dir, ...)` reads `rounds/<r>/labels_a/<shard>.parquet` and
@@ -18,8 +18,6 @@ Contract:
   File metadata: view a's, with `ncl.view=a+b`, `ncl.combined=mean`, `ncl.sources` (the two
   folders) and `ncl.model_id` listing both models. `out_dir/_label_pass.json` (written last)
   holds both views' pass summaries and the quality of the combined label.
-- `write_oracle_labels(...)`: `key, soft_label=1` for the ground-truth clean pairs of every
-  embedded shard (train.mode=oracle: the clean-only upper bound of demo and benchmarks).
 """
 
 from __future__ import annotations
@@ -37,20 +35,13 @@ from pipeline.io.labels import LABELS_SCHEMA, SUBSET_VALUES, uid_of
 from pipeline.io.tables import read_json, read_table, write_json_atomic, write_table_atomic
 from pipeline.runtime.progress import Progress, as_completed
 
-__all__ = ["ORACLE_SCHEMA", "publish_labels", "write_oracle_labels", "LabelViewMismatchError"]
+__all__ = ["publish_labels", "LabelViewMismatchError"]
 
 logger = logging.getLogger(__name__)
 
 SUMMARY_NAME = "_label_pass.json"
 AVERAGED = ("soft_label", "clean_prob", "loss", "cosine", "bicro", "rcr", "sps")
 ID_COLUMNS = ("uid", "image_sha256")  # labels.v2: filled from the embeddings table
-ORACLE_SCHEMA = pa.schema(
-    [
-        pa.field("key", pa.string(), nullable=False),
-        pa.field("soft_label", pa.float32(), nullable=False),
-    ],
-    metadata={"ncl.schema": "oracle_labels.v0"},
-)
 
 
 class LabelViewMismatchError(ValueError):
@@ -253,33 +244,3 @@ def publish_labels(
     }
     write_json_atomic(summary, f"{out_dir}/{SUMMARY_NAME}")
     return summary
-
-
-def write_oracle_labels(
-    ground_truth: str, embeddings: dict[str, str], out_dir: str
-) -> dict[str, int]:
-    """Oracle label tables: the ground-truth clean pairs among each shard's embedded samples.
-
-    Args:
-        ground_truth: ground_truth.parquet (key, kind, ...).
-        embeddings: {shard name: its embeddings table} (the keys that can be trained on).
-        out_dir: where `<shard>.parquet` (key, soft_label = 1) go.
-
-    Returns:
-        {shard: clean pairs written}: the trainer's samples per shard.
-    """
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    truth = pq.read_table(ground_truth, columns=["key", "kind"])
-    clean = truth.filter(pc.equal(truth.column("kind"), "clean")).column("key")
-    sizes = {}
-    for shard, path in embeddings.items():
-        keys = pq.read_table(path, columns=["key"]).column("key")
-        kept = keys.filter(pc.is_in(keys, value_set=clean))
-        table = pa.table(
-            [kept, pa.array(np.ones(len(kept), np.float32), pa.float32())], schema=ORACLE_SCHEMA
-        )
-        write_table_atomic(table, f"{out_dir}/{shard}.parquet", ORACLE_SCHEMA)
-        sizes[shard] = len(kept)
-    return sizes

@@ -322,7 +322,7 @@ def _train(spec: TrainSpec, board) -> None:
         seen, seconds = _run_epoch(spec, active, epoch, steps, rank, world, device, injected, board)
         results = {}
         if val_set is not None:
-            from pipeline.evaluation import evaluate_models
+            from pipeline.stages.train.evaluation import evaluate_models
 
             results = evaluate_models({t.view.name: t.loaded for t in active}, val_set)
         results = from_rank0(results, device)  # patience reads it on every rank
@@ -464,7 +464,7 @@ def _eval_set(spec: TrainSpec, shards: tuple[str, ...], trainer: _ViewTrainer):
     """A held-out split decoded once with the models' preprocessing (None without shards)."""
     if not shards:
         return None
-    from pipeline.evaluation import load_eval_set
+    from pipeline.stages.train.evaluation import load_eval_set
 
     loaded = trainer.loaded
     return load_eval_set(shards, loaded.preprocess, loaded.tokenizer, spec.decode)
@@ -494,7 +494,7 @@ def _finish(spec: TrainSpec, trainers: list[_ViewTrainer]) -> None:
         }
     test_set = _eval_set(spec, spec.test_shards, trainers[0])
     if test_set is not None:
-        from pipeline.evaluation import evaluate_models
+        from pipeline.stages.train.evaluation import evaluate_models
 
         summary["retrieval"] = evaluate_models({t.view.name: t.loaded for t in trainers}, test_set)
         summary["retrieval_test_pairs"] = test_set.n_texts

@@ -1,4 +1,5 @@
-"""Export stage (Ray part of `pipeline.export`): kept pairs of the input tars -> webdataset shards.
+"""Export stage (Ray part of `pipeline.stages.export.driver`): kept pairs of the input tars ->
+webdataset shards.
 
 Contract:
 - `write_shard_part(shard, ...)`: one task per input shard. It reads the shard's label table
@@ -15,7 +16,8 @@ Contract:
   ranges of the parts, appends the end-of-archive marker, writes `<out>/<name>.tar`
   atomically, then `<out>/<name>_stats.json` (img2dataset's shard stats).
 - Both are idempotent: a rerun skips work whose output exists, so a killed export resumes and
-  every kept key ends up exactly once (the plan in `pipeline.export` is deterministic).
+  every kept key ends up exactly once (the plan in `pipeline.stages.export.driver` is
+  deterministic).
 """
 
 from __future__ import annotations

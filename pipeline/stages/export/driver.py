@@ -2,11 +2,11 @@
 
 Contract (`ncl-pipeline export RUN --out DIR`, issue 12):
 - Kept pairs: the rows of `RUN/labels/*.parquet` (labels.v1 or v2) with
-  `soft_label >= min_label` and `subset` in `subsets` (`pipeline.stages.export.kept_filter`).
+  `soft_label >= min_label` and `subset` in `subsets` (`pipeline.stages.export.tasks.kept_filter`).
 - `wds`: img2dataset-layout tars of the kept pairs, resharded to `samples_per_shard` pairs per
   output shard (the last one holds the rest), named `00000.tar`, `00001.tar`, ... in input
   shard order then tar order. Image and text members are the input's bytes; `{key}.json` is
-  extended (`pipeline.stages.export`). Beside them: `<name>_stats.json` per shard and
+  extended (`pipeline.stages.export.tasks`). Beside them: `<name>_stats.json` per shard and
   `sizes.json` ({"00000.tar": n, ...}, what open_clip's `get_dataset_size` reads). One Ray task
   per input shard writes a part, one per output shard concatenates parts; see that module.
 - `uid`: `uids.npy`, DataComp's subset file: a sorted numpy array of dtype `u8,u8` (high, low
@@ -335,7 +335,7 @@ def _export_wds(
 
     from pipeline.runtime.progress import Progress, as_completed
     from pipeline.runtime.ray import init_ray
-    from pipeline.stages.export import assemble_output_shard, write_shard_part
+    from pipeline.stages.export.tasks import assemble_output_shard, write_shard_part
 
     init_ray(address, num_cpus)
     part_task = ray.remote(write_shard_part).options(num_cpus=1, max_retries=2)
@@ -383,7 +383,7 @@ def _kept_batches(spec: ExportSpec, files: dict[str, str]):
     import pyarrow.dataset as ds
 
     from pipeline.io.labels import LABELS_SCHEMA
-    from pipeline.stages.export import kept_filter
+    from pipeline.stages.export.tasks import kept_filter
 
     keep = kept_filter(spec.min_label, tuple(spec.subsets))
     columns = ["key", "shard", "soft_label", "subset", "round", "uid"]
