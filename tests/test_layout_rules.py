@@ -32,6 +32,74 @@ def test_no_stage_imports_another_stage():
         assert not others, f"{path} imports stage(s) {sorted(others)}: move the shared part down"
 
 
+# --------------------------------------------------------------------------- import direction
+
+# docs/architecture.md §1: core <- io, models <- runtime <- stages <- run <- cli. `clients` and
+# `reporting` read a finished run directory: clients (what other training code imports) use only
+# io, core and models; reporting also the label reader in clients; the runner and `status` use
+# reporting (the report at the end of a run, the quarantine summary). `errors` and `config` sit
+# at the bottom beside core; `data` (the synthetic corpus) and `schemas` are tools.
+# Layer -> the layers its modules may import (besides their own and the root package, whose
+# only attribute used below the top is `__version__`).
+_BOTTOM = {"errors", "core"}
+ALLOWED_IMPORTS: dict[str, set[str]] = {
+    "errors": set(),
+    "core": set(),
+    "config": _BOTTOM,
+    "io": _BOTTOM,
+    "models": _BOTTOM,
+    "data": _BOTTOM | {"io", "models"},
+    "runtime": _BOTTOM | {"config", "io", "models"},
+    "clients": _BOTTOM | {"io", "models"},
+    "stages": _BOTTOM | {"config", "io", "models", "runtime", "clients"},
+    "reporting": _BOTTOM | {"config", "io", "models", "clients"},
+    "run": _BOTTOM | {"config", "io", "models", "runtime", "clients", "stages", "reporting"},
+    "schemas": _BOTTOM | {"config", "io"},
+}
+TOP = {"cli", "__init__", "__main__"}  # may import every layer
+
+
+def _layer(module: str) -> str | None:
+    """The layer of a dotted `pipeline.*` name (None outside the package or for the package)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "pipeline" else None
+
+
+def _layer_violations(layer: str, imported: list[str]) -> set[str]:
+    allowed = ALLOWED_IMPORTS[layer] | {layer}
+    return {m for m in imported if (other := _layer(m)) is not None and other not in allowed}
+
+
+def test_every_module_sits_in_a_known_layer():
+    found = {path.relative_to(PACKAGE).parts[0].removesuffix(".py") for path in PACKAGE.glob("*")}
+    found -= {"__pycache__", "model_configs"}
+    assert found <= set(ALLOWED_IMPORTS) | TOP, sorted(found - set(ALLOWED_IMPORTS) - TOP)
+
+
+def test_imports_follow_the_layer_direction():
+    problems = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        layer = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+        if layer in TOP:
+            continue
+        if bad := _layer_violations(layer, _imports(path)):
+            problems[str(path.relative_to(PACKAGE))] = sorted(bad)
+    assert not problems, (
+        f"imports against the layer direction (docs/architecture.md §1): {problems}"
+    )
+
+
+def test_the_direction_check_can_fail():
+    assert _layer_violations("stages", ["pipeline.run.state.STAGE_KEY_META"]) == {
+        "pipeline.run.state.STAGE_KEY_META"
+    }
+    assert _layer_violations("clients", ["pipeline.stages.publish", "pipeline.io.labels"]) == {
+        "pipeline.stages.publish"
+    }
+    assert _layer_violations("core", ["pipeline", "numpy", "pipeline.core.select"]) == set()
+    assert _layer_violations("core", ["pipeline.errors"]) == {"pipeline.errors"}
+
+
 def test_no_test_imports_a_private_name_of_a_stage():
     for path in TESTS.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
