@@ -30,9 +30,9 @@ import time
 import numpy as np
 from scipy.stats import spearmanr
 
-from pipeline.core.exact_search import exact_topk_torch
-from pipeline.core.knn import ShardedIndex, resolve_ngpu, train_index
 from pipeline.core.labels.rcr import ndcg_at_k
+from pipeline.core.search.exact import exact_topk_torch
+from pipeline.core.search.knn import ShardedIndex, resolve_ngpu, train_index
 
 
 def emit(figure: str, **values) -> None:

@@ -22,7 +22,7 @@ import warnings
 
 import numpy as np
 
-from pipeline.core.mixture import (
+from pipeline.core.mixture.fit import (
     MIXTURES,
     build_histogram,
     clean_posterior,

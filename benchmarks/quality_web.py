@@ -207,7 +207,7 @@ def _val_rsum(metrics: dict, rounds: int) -> float | None:
 
 
 def _fitted_fraction(run_dir: str, kind: str) -> float:
-    from pipeline.core.mixture import MixtureFit
+    from pipeline.core.mixture.fit import MixtureFit
     from pipeline.io.tables import read_json
 
     layout = RunLayout(run_dir)

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 
 from pipeline.config import TrainConfig  # noqa: E402
-from pipeline.core.train_losses import symmetric_infonce  # noqa: E402
+from pipeline.core.losses.training import symmetric_infonce  # noqa: E402
 from pipeline.data.synthetic import make_corpus  # noqa: E402
 from pipeline.io.shards import Rejection, decode_record, iter_shard_records, shard_name  # noqa: E402
 from pipeline.models import ModelSpec, load_clip  # noqa: E402

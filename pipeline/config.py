@@ -448,8 +448,8 @@ class JobConfig(_Section):
     @model_validator(mode="after")
     def _index_fits_gpu(self) -> JobConfig:
         if self.index.gpus_per_actor > 0:
-            from pipeline.core.faiss_gpu import gpu_index_problems
             from pipeline.core.labels.rcr import max_search_depth
+            from pipeline.core.search.faiss_gpu import gpu_index_problems
 
             # Only RCR searches deeper than one neighbour (its image de-duplication widens).
             depth = max_search_depth(self.labels.rcr.k) if self.labels.method == "rcr" else 1

@@ -2,8 +2,8 @@
 
 `write_blob_run` writes `<out>/rounds/0/embeddings/<shard>.parquet` in the embed pass's schema
 (view "a"; without `image_sha256`, like tables written before that column existed) with losses
-computed by `pipeline.core.losses` on seeded fixed-size batches, as the embed pass does, plus a
-`ground_truth.parquet` (key, kind, degree) beside the run.
+computed by `pipeline.core.losses.per_sample` on seeded fixed-size batches, as the embed pass does,
+plus a `ground_truth.parquet` (key, kind, degree) beside the run.
 """
 
 from __future__ import annotations
@@ -16,7 +16,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from pipeline.core.losses import fixed_size_loss_batches, infonce_per_sample, triplet_per_sample
+from pipeline.core.losses.per_sample import (
+    fixed_size_loss_batches,
+    infonce_per_sample,
+    triplet_per_sample,
+)
 from pipeline.io.layout import RunLayout
 from pipeline.io.tables import embedding_schema, write_table_atomic
 

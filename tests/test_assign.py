@@ -22,8 +22,8 @@ from pipeline.core.labels.assign import (
     partial_sinkhorn,
 )
 from pipeline.core.labels.in_memory import label_in_memory
-from pipeline.core.neighbours import build_local_neighbours
-from pipeline.core.partition import NOISY
+from pipeline.core.partition.decisions import NOISY
+from pipeline.core.search.neighbours import build_local_neighbours
 
 
 def _unit(x: np.ndarray) -> np.ndarray:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.core.coteach import TRAINING_TARGETS, Phase, coteach_phase, training_targets
-from pipeline.core.partition import CLEAN, NOISY, QUASI_CLEAN
+from pipeline.core.partition.decisions import CLEAN, NOISY, QUASI_CLEAN
 
 SUBSET = np.array([CLEAN, CLEAN, QUASI_CLEAN, NOISY, NOISY])
 LABEL = np.array([1.0, 0.7, 0.6, 0.3, 0.0], dtype=np.float32)

@@ -54,7 +54,7 @@ def test_torch_device_follows_the_ray_grant(local_ray):
 
 @pytest.mark.ray
 def test_index_actor_uses_exactly_the_granted_gpus(local_ray):
-    from pipeline.core.knn import is_gpu_index
+    from pipeline.core.search.knn import is_gpu_index
     from pipeline.stages.labels.index_actors import IndexStoreActor
 
     ray = local_ray
@@ -82,7 +82,7 @@ def test_index_actor_uses_exactly_the_granted_gpus(local_ray):
 
 
 def test_vectors_are_added_on_the_gpu_index_and_ids_survive():
-    from pipeline.core.knn import build_index, is_gpu_index
+    from pipeline.core.search.knn import build_index, is_gpu_index
 
     rows = _unit_rows(5000, 32, 1)
     ids = np.arange(5000, dtype=np.int64) * 7 + 3
@@ -96,7 +96,7 @@ def test_vectors_are_added_on_the_gpu_index_and_ids_survive():
 
 
 def test_training_on_gpu_frees_the_clustering_index():
-    from pipeline.core.knn import train_index
+    from pipeline.core.search.knn import train_index
 
     sample = _unit_rows(20_000, 64, 2)
     train_index("IVF64,Flat", sample, ngpu=1, niter=2)  # first use: CUDA context, cuBLAS

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pipeline.config import IndexConfig
-from pipeline.core.neighbours import IndexStore
+from pipeline.core.search.neighbours import IndexStore
 from pipeline.stages.labels import LabelSpec
 from pipeline.stages.labels.index_actors import (
     IndexStoreActor,

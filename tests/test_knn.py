@@ -7,10 +7,10 @@ import faiss
 import numpy as np
 import pytest
 
-from pipeline.core.exact_search import exact_topk_torch
-from pipeline.core.faiss_gpu import gpu_index_problems
-from pipeline.core.index_factory import auto_factory
-from pipeline.core.knn import (
+from pipeline.core.search.exact import exact_topk_torch
+from pipeline.core.search.faiss_gpu import gpu_index_problems
+from pipeline.core.search.index_factory import auto_factory
+from pipeline.core.search.knn import (
     IndexShard,
     ShardedIndex,
     build_index,
@@ -22,7 +22,7 @@ from pipeline.core.knn import (
     resolve_ngpu,
     train_index,
 )
-from pipeline.core.neighbours import MODALITIES, IndexStore
+from pipeline.core.search.neighbours import MODALITIES, IndexStore
 
 
 def _unit(rows: int, dim: int, seed: int) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The label pass on Ray: tables, quality, equality with the in-memory back-end, sharding.
 
 Ray tests run on synthetic embeddings tables (clustered blobs, 30 % shuffled captions, losses
-from `pipeline.core.losses`), so label quality is meaningful without a trained model; the
+from `pipeline.core.losses.per_sample`), so label quality is meaningful without a trained model; the
 end-to-end embed -> label test on the demo corpus is in test_labels_reader.py.
 """
 
@@ -19,7 +19,7 @@ from label_fixtures import write_blob_run
 from pipeline.clients.read import read_labels
 from pipeline.config import EmbedConfig, IndexConfig, LabelsConfig
 from pipeline.core.labels.in_memory import label_in_memory
-from pipeline.core.mixture import MixtureFit, clean_posterior
+from pipeline.core.mixture.fit import MixtureFit, clean_posterior
 from pipeline.io.labels import LABELS_SCHEMA, SPS_PROXIES_SCHEMA, labels_json_schema
 from pipeline.stages.labels import LabelSpec, run_label_pass
 

@@ -96,7 +96,7 @@ def test_the_direction_check_can_fail():
     assert _layer_violations("clients", ["pipeline.stages.publish", "pipeline.io.labels"]) == {
         "pipeline.stages.publish"
     }
-    assert _layer_violations("core", ["pipeline", "numpy", "pipeline.core.select"]) == set()
+    assert _layer_violations("core", ["pipeline", "numpy", "pipeline.core.search.knn"]) == set()
     assert _layer_violations("core", ["pipeline.errors"]) == {"pipeline.errors"}
 
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.core.losses import (
+from pipeline.core.losses.per_sample import (
     batched_losses,
     fixed_size_loss_batches,
     infonce_per_sample,

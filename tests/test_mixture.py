@@ -1,4 +1,4 @@
-"""Binned BMM/GMM (pipeline.core.mixture) against per-sample references, sklearn and the
+"""Binned BMM/GMM (pipeline.core.mixture.fit) against per-sample references, sklearn and the
 invariants of docs/methods.md §11."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from pipeline.core.mixture import (
+from pipeline.core.mixture.fit import (
     MIXTURES,
     MixtureFit,
     build_histogram,

@@ -1,4 +1,5 @@
-"""Corpus-wide partition decisions (pipeline.core.partition, pipeline.core.select).
+"""Corpus-wide partition decisions (pipeline.core.partition.decisions,
+pipeline.core.partition.select).
 
 The decisions are computed as the label stage computes them: per-shard counts, order statistics
 by the distributed radix select over several in-memory shards, and each method's `decide`.
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from pipeline.config import BicroLabelsConfig, RcrLabelsConfig, SpsLabelsConfig
 from pipeline.core.labels import get_method
-from pipeline.core.partition import (
+from pipeline.core.partition.decisions import (
     CLEAN,
     NOISY,
     QUASI_CLEAN,
@@ -26,7 +27,7 @@ from pipeline.core.partition import (
     selection_rows,
     shard_masks,
 )
-from pipeline.core.select import key_value, order_keys, radix_select, select_round
+from pipeline.core.partition.select import key_value, order_keys, radix_select, select_round
 
 # ---------------------------------------------------------------------------------------------
 # Order keys and the radix select
@@ -329,7 +330,7 @@ def test_decisions_over_shards_equal_brute_force(case, fetch_limit):
 
 def _fits(losses: dict[str, np.ndarray]) -> dict:
     """The label pass's fits (pipeline.stages.labels.driver._fit_mixtures) on in-memory losses."""
-    from pipeline.core.mixture import fit_mixture
+    from pipeline.core.mixture.fit import fit_mixture
 
     return {
         "bmm": fit_mixture(losses["loss"], "bmm"),
@@ -345,7 +346,7 @@ def test_both_directions_posterior_drops_pairs_clean_one_way_only(method):
     text->image loss is noisy (the caption matches many images) is not clean; pairs clean
     both ways stay clean."""
     from pipeline.config import LabelsConfig
-    from pipeline.core.partition import ShardScalars
+    from pipeline.core.partition.decisions import ShardScalars
     from pipeline.stages.labels import LabelSpec
     from pipeline.stages.labels.shard_tasks import add_posteriors
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from pipeline.config import JobConfig, JobConfigError
-from pipeline.core.faiss_gpu import gpu_index_problems
+from pipeline.core.search.faiss_gpu import gpu_index_problems
 from pipeline.runtime.preflight import check_requests, plan_requests
 
 BASE = {

@@ -14,7 +14,6 @@ from sklearn.metrics import roc_auc_score
 
 from pipeline.config import BicroLabelsConfig, LabelsConfig, RcrLabelsConfig, SpsLabelsConfig
 from pipeline.core.coteach import TRAINING_TARGETS
-from pipeline.core.exact_search import exact_topk_torch
 from pipeline.core.labels import LABEL_METHODS, SCORE_COLUMNS
 from pipeline.core.labels.bicro import bicro_in_batch_anchors, bicro_labels, fold
 from pipeline.core.labels.cosine import cosine_labels
@@ -25,8 +24,9 @@ from pipeline.core.labels.sps import (
     sps_proxy_labels,
     sps_quasi_clean_label,
 )
-from pipeline.core.losses import infonce_per_sample
-from pipeline.core.partition import CLEAN
+from pipeline.core.losses.per_sample import infonce_per_sample
+from pipeline.core.partition.decisions import CLEAN
+from pipeline.core.search.exact import exact_topk_torch
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -545,7 +545,7 @@ def test_a_new_method_is_one_module_and_one_entry(monkeypatch, blobs):
     """The worked example of docs/methods.md §4.4: the mixture posterior as the label."""
     from pipeline.core.labels import LabelMethod
     from pipeline.core.labels.base import ShardLabels
-    from pipeline.core.partition import NOISY, PartitionDecisions, decide_clean_split
+    from pipeline.core.partition.decisions import NOISY, PartitionDecisions, decide_clean_split
 
     def decide(count, select, threshold, params):
         threshold, guard_cut, _, report = decide_clean_split(count, select, threshold=threshold)

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.core.losses import infonce_per_sample
-from pipeline.core.train_losses import (
+from pipeline.core.losses.per_sample import infonce_per_sample
+from pipeline.core.losses.training import (
     SOFT_MARGINS,
     co_positive_mask,
     select_small_loss,

@@ -10,7 +10,7 @@ Contract:
   or from a shard the run did not label) are dropped. `label(sample)` gives the soft label.
 - `label_weighted_clip_loss(image_features, text_features, logit_scale, soft_labels)`: CLIP's
   symmetric InfoNCE with each pair's positive terms weighted by its soft label (the loss the
-  pipeline's co-teaching trainer uses, `pipeline.core.train_losses.weighted_infonce`), callable
+  pipeline's co-teaching trainer uses, `pipeline.core.losses.training.weighted_infonce`), callable
   from an open_clip training loop in place of `ClipLoss` (same first three arguments).
 """
 
@@ -119,7 +119,7 @@ def label_weighted_clip_loss(image_features, text_features, logit_scale, soft_la
     """
     import torch
 
-    from pipeline.core.train_losses import weighted_infonce
+    from pipeline.core.losses.training import weighted_infonce
 
     weights = torch.as_tensor(soft_labels, dtype=torch.float32, device=image_features.device)
     return weighted_infonce(image_features, text_features, logit_scale, weights.reshape(-1))

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.core.partition import CLEAN, NOISY, QUASI_CLEAN
+from pipeline.core.partition.decisions import CLEAN, NOISY, QUASI_CLEAN
 
 __all__ = [
     "TRAINING_TARGETS",
@@ -105,7 +105,7 @@ def training_targets(
     Args:
         target: one of TRAINING_TARGETS (the label method's `training_target`).
         phase: from `coteach_phase`.
-        subset: (N,) int codes CLEAN / QUASI_CLEAN / NOISY (pipeline.core.partition).
+        subset: (N,) int codes CLEAN / QUASI_CLEAN / NOISY (pipeline.core.partition.decisions).
         soft_label: (N,) float labels in [0, 1]; NaN counts as 0.
         proxy_label: (N,) SPS y_p of the image's proxy caption (NaN/absent = no proxy); sps only.
         weight_cut: labels at or below it train with weight 0 (BiCro*'s theta, applied here

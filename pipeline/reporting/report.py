@@ -57,7 +57,7 @@ def _save(fig, fs, path: str) -> None:
 
 def _threshold_x(fit, threshold: float) -> float | None:
     """Normalised loss where the clean posterior first drops to `threshold` (None: never)."""
-    from pipeline.core.mixture import clean_posterior
+    from pipeline.core.mixture.fit import clean_posterior
 
     grid = np.linspace(0.0, 1.0, 4097)
     prob = clean_posterior(fit, fit.lo + grid * (fit.hi - fit.lo))
@@ -79,7 +79,7 @@ def _densities(fit, x: np.ndarray) -> list[np.ndarray]:
 
 
 def _loss_figure(plt, loss: np.ndarray, mixture: dict[str, Any]):
-    from pipeline.core.mixture import MixtureFit, normalise_losses
+    from pipeline.core.mixture.fit import MixtureFit, normalise_losses
 
     fits = {name: MixtureFit.from_dict(f) for name, f in mixture.get("fits", {}).items()}
     threshold = float(mixture.get("threshold", 0.5))

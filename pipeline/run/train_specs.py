@@ -158,7 +158,7 @@ def _cosine_filter(job: JobConfig, layout: RunLayout, sizes: dict[str, int], rou
     by round 1 and reused by every later round. Returns (folder, kept per shard)."""
     import pyarrow.parquet as pq
 
-    from pipeline.core.mixture import MixtureFit
+    from pipeline.core.mixture.fit import MixtureFit
     from pipeline.io.tables import file_exists
     from pipeline.stages.baselines.cosine_filter import write_cosine_filter
 

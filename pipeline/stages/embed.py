@@ -42,7 +42,7 @@ import pyarrow as pa
 import torch
 
 from pipeline.config import EmbedConfig
-from pipeline.core.losses import batched_losses, fixed_size_loss_batches
+from pipeline.core.losses.per_sample import batched_losses, fixed_size_loss_batches
 from pipeline.io.admitted import (
     SHARD_BYTES_KEY,
     SHARD_SHA256_KEY,

@@ -18,8 +18,8 @@ from pipeline.core.labels.base import (
     ShardInputs,
     ShardLabels,
 )
-from pipeline.core.neighbours import NeighbourSearch
-from pipeline.core.partition import NOISY
+from pipeline.core.partition.decisions import NOISY
+from pipeline.core.search.neighbours import NeighbourSearch
 
 __all__ = [
     "INDEX_ROLES",

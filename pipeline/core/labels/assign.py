@@ -25,8 +25,14 @@ import numpy as np
 
 from pipeline.core.labels.base import IndexRole, ShardInputs, ShardLabels
 from pipeline.core.labels.sps import PROXY_COLUMNS
-from pipeline.core.neighbours import BatchLookup, NeighbourSearch, neighbour_rows
-from pipeline.core.partition import CLEAN, NOISY, PartitionDecisions, Select, decide_clean_split
+from pipeline.core.partition.decisions import (
+    CLEAN,
+    NOISY,
+    PartitionDecisions,
+    Select,
+    decide_clean_split,
+)
+from pipeline.core.search.neighbours import BatchLookup, NeighbourSearch, neighbour_rows
 
 __all__ = [
     "INDEX_ROLE",

@@ -2,7 +2,7 @@
 
 Pure module. A method is a `LabelMethod` entry in `pipeline.core.labels.LABEL_METHODS`:
 - `decide(count, select, threshold, params)`: the corpus-wide `PartitionDecisions` from summed
-  `partition_counts` and order statistics (`pipeline.core.partition`);
+  `partition_counts` and order statistics (`pipeline.core.partition.decisions`);
 - `index_role(params)`: which rows its neighbour searches run over (an `IndexRole`), or None;
 - `label_shard(inputs, neighbours, params)`: the labels of one shard (`ShardLabels`);
 - `score_columns`: the label-table columns it fills besides soft_label and subset;
@@ -20,14 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.core.neighbours import NeighbourSearch
-from pipeline.core.partition import (
+from pipeline.core.partition.decisions import (
     CLEAN,
     PartitionDecisions,
     Select,
     ShardMasks,
     ShardScalars,
 )
+from pipeline.core.search.neighbours import NeighbourSearch
 
 __all__ = ["INDEX_ROLES", "IndexRole", "LabelMethod", "ShardInputs", "ShardLabels"]
 

@@ -22,8 +22,7 @@ import numpy as np
 from pipeline.core.labels.arrays import check_rows as _check_rows
 from pipeline.core.labels.arrays import rowdot as _rowdot
 from pipeline.core.labels.base import INDEX_ROLES, IndexRole, ShardInputs, ShardLabels
-from pipeline.core.neighbours import NeighbourSearch, nearest, neighbour_rows
-from pipeline.core.partition import (
+from pipeline.core.partition.decisions import (
     CLEAN,
     NOISY,
     PartitionDecisions,
@@ -31,6 +30,7 @@ from pipeline.core.partition import (
     decide_anchors,
     decide_clean_split,
 )
+from pipeline.core.search.neighbours import NeighbourSearch, nearest, neighbour_rows
 
 __all__ = [
     "bicro_in_batch_anchors",

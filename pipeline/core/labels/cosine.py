@@ -11,8 +11,14 @@ import numpy as np
 
 from pipeline.core.labels.arrays import rowdot as _rowdot
 from pipeline.core.labels.base import IndexRole, ShardInputs, ShardLabels
-from pipeline.core.neighbours import NeighbourSearch
-from pipeline.core.partition import CLEAN, NOISY, PartitionDecisions, Select, decide_clean_split
+from pipeline.core.partition.decisions import (
+    CLEAN,
+    NOISY,
+    PartitionDecisions,
+    Select,
+    decide_clean_split,
+)
+from pipeline.core.search.neighbours import NeighbourSearch
 
 __all__ = ["cosine_labels", "decide", "index_role", "label_shard"]
 

@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.labels import ShardInputs, ShardLabels, get_method, label_shard
-from pipeline.core.neighbours import build_local_neighbours, image_groups
-from pipeline.core.partition import (
+from pipeline.core.partition.decisions import (
     PartitionDecisions,
     ShardMasks,
     ShardScalars,
@@ -24,7 +23,8 @@ from pipeline.core.partition import (
     selection_rows,
     shard_masks,
 )
-from pipeline.core.select import radix_select, select_round
+from pipeline.core.partition.select import radix_select, select_round
+from pipeline.core.search.neighbours import build_local_neighbours, image_groups
 
 __all__ = ["InMemoryResult", "label_in_memory"]
 

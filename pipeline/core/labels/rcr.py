@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.core.knn import EmbeddingLookup, exact_scores
 from pipeline.core.labels.arrays import check_rows as _check_rows
 from pipeline.core.labels.base import INDEX_ROLES, IndexRole, ShardInputs, ShardLabels
-from pipeline.core.neighbours import BatchLookup, NeighbourSearch, image_search_distinct
-from pipeline.core.partition import (
+from pipeline.core.partition.decisions import (
     CLEAN,
     NOISY,
     PartitionDecisions,
     Select,
     decide_rcr_candidates,
 )
+from pipeline.core.search.knn import EmbeddingLookup, exact_scores
+from pipeline.core.search.neighbours import BatchLookup, NeighbourSearch, image_search_distinct
 
 __all__ = [
     "decide",

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.core.batching import fixed_size_loss_batches
 from pipeline.core.labels.arrays import check_rows as _check_rows
 from pipeline.core.labels.arrays import rowdot as _rowdot
 from pipeline.core.labels.base import INDEX_ROLES, IndexRole, ShardInputs, ShardLabels
-from pipeline.core.neighbours import NeighbourSearch, neighbour_rows, top1
-from pipeline.core.partition import (
+from pipeline.core.losses.batching import fixed_size_loss_batches
+from pipeline.core.partition.decisions import (
     CLEAN,
     NOISY,
     QUASI_CLEAN,
@@ -31,6 +30,7 @@ from pipeline.core.partition import (
     Select,
     decide_sps_split,
 )
+from pipeline.core.search.neighbours import NeighbourSearch, neighbour_rows, top1
 
 __all__ = [
     "PROXY_COLUMNS",

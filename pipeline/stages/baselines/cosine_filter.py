@@ -10,7 +10,7 @@ Contract:
   baseline does). Ties are broken by global sample id, so the kept set does not depend on
   sharding. Returns the kept pairs per shard (the trainer's samples per shard).
 - One Ray task per shard reads its cosines; the cut is found by the distributed radix select
-  of `pipeline.core.select`; only digit histograms and counts reach the driver.
+  of `pipeline.core.partition.select`; only digit histograms and counts reach the driver.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import logging
 import numpy as np
 import pyarrow as pa
 
-from pipeline.core.select import at_or_below, order_keys, radix_select, select_round
+from pipeline.core.partition.select import at_or_below, order_keys, radix_select, select_round
 from pipeline.io.tables import read_table, write_table_atomic
 
 __all__ = ["FILTER_SCHEMA", "write_cosine_filter"]

@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.core.index_factory import auto_factory
-from pipeline.core.mixture import MixtureFit, fit_bmm, fit_gmm, merge_histograms, merge_ranges
-from pipeline.core.partition import PartitionDecisions
-from pipeline.core.select import radix_select
+from pipeline.core.mixture.fit import MixtureFit, fit_bmm, fit_gmm, merge_histograms, merge_ranges
+from pipeline.core.partition.decisions import PartitionDecisions
+from pipeline.core.partition.select import radix_select
+from pipeline.core.search.index_factory import auto_factory
 from pipeline.io.ground_truth import quality_from_parts
 from pipeline.io.labels import SUBSET_VALUES
 from pipeline.io.layout import RunLayout

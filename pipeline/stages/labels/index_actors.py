@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.core.neighbours import MODALITIES, ROW_FIELDS, IndexStore, ShardedNeighbours
+from pipeline.core.search.neighbours import MODALITIES, ROW_FIELDS, IndexStore, ShardedNeighbours
 from pipeline.io.layout import RunLayout
 from pipeline.io.tables import (
     file_exists,

@@ -17,9 +17,9 @@ import pyarrow as pa
 
 from pipeline.core.labels import SCORE_COLUMNS, ShardInputs, ShardLabels, label_shard
 from pipeline.core.labels.sps import PROXY_COLUMNS
-from pipeline.core.mixture import clean_posterior
-from pipeline.core.neighbours import NeighbourSearch
-from pipeline.core.partition import CLEAN
+from pipeline.core.mixture.fit import clean_posterior
+from pipeline.core.partition.decisions import CLEAN
+from pipeline.core.search.neighbours import NeighbourSearch
 from pipeline.io.ground_truth import quality_arrays
 from pipeline.io.labels import (
     LABELS_SCHEMA,

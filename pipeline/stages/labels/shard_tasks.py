@@ -1,7 +1,7 @@
 """The per-shard steps of the label pass: each runs as one Ray task on one embeddings table.
 
 Every function here reads one `rounds/<r>/embeddings/<shard>.parquet`, calls the pure core
-(`pipeline.core.partition`, `pipeline.core.labels`) and returns a small summary, or (the
+(`pipeline.core.partition.decisions`, `pipeline.core.labels`) and returns a small summary, or (the
 label step) writes the shard's tables. None of them talks to Ray: the driver schedules them.
 
 Sample ids: shard i's row j has global id offset_i + j (shards in the spec's order); every tie
@@ -17,16 +17,16 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.core.labels import ShardInputs
-from pipeline.core.mixture import MixtureFit, build_histogram, clean_posterior, histogram_range
-from pipeline.core.neighbours import image_groups
-from pipeline.core.partition import (
+from pipeline.core.mixture.fit import MixtureFit, build_histogram, clean_posterior, histogram_range
+from pipeline.core.partition.decisions import (
     PartitionDecisions,
     ShardScalars,
     partition_counts,
     selection_rows,
     shard_masks,
 )
-from pipeline.core.select import select_round
+from pipeline.core.partition.select import select_round
+from pipeline.core.search.neighbours import image_groups
 from pipeline.io.tables import embedding_matrix, read_schema, read_table
 from pipeline.stages.labels.spec import LabelSpec
 
@@ -165,7 +165,7 @@ def select_task(
     prefix: tuple[int, ...],
     fetch: bool,
 ):
-    """One radix-select round over this shard's rows (`pipeline.core.select`)."""
+    """One radix-select round over this shard's rows (`pipeline.core.partition.select`)."""
     keys, ids = selection_rows(_load_scalars(spec, shard, offset, fits), what, decisions)
     return select_round(keys, ids, prefix, fetch)
 

@@ -183,7 +183,7 @@ def _targets(
 
 def source_id(key: str) -> int:
     """A 63-bit id of a pair's key: rows whose image (or text) comes from the same pair are
-    co-positives in the loss (`pipeline.core.train_losses.co_positive_mask`)."""
+    co-positives in the loss (`pipeline.core.losses.training.co_positive_mask`)."""
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") >> 1
 
 

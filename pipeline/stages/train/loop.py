@@ -12,9 +12,8 @@ import traceback
 
 import torch
 
-from pipeline.core.losses import infonce_per_sample, triplet_per_sample
-from pipeline.core.schedule import WarmupState, cosine_lr, update_warmup
-from pipeline.core.train_losses import (
+from pipeline.core.losses.per_sample import infonce_per_sample, triplet_per_sample
+from pipeline.core.losses.training import (
     co_positive_mask,
     select_small_loss,
     soft_margin,
@@ -22,6 +21,7 @@ from pipeline.core.train_losses import (
     sps_consistency_losses,
     weighted_infonce,
 )
+from pipeline.core.schedule import WarmupState, cosine_lr, update_warmup
 from pipeline.errors import root_cause
 from pipeline.io.admitted import ShardChangedError
 from pipeline.io.checkpoints import load_torch, save_torch_atomic

@@ -9,7 +9,7 @@ Contract:
      the results with `merge_histograms` (integer counts add exactly) and calls `fit_bmm` or
      `fit_gmm` (or `MIXTURES[kind]`) once.
   `clean_posterior(fit, losses)` then runs on each worker again, per sample and exactly.
-  The histogram half lives in `pipeline.core.histogram` (re-exported here).
+  The histogram half lives in `pipeline.core.mixture.histogram` (re-exported here).
 - Normalisation is global min-max with a floor on the range (docs/methods.md §2.2):
   x = (loss - lo) / max(hi - lo, 1e-12 * max(1, |hi|)). When the range is below that floor (all
   losses equal, or a single sample; also a histogram with fewer than two occupied bins) the fit
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 from scipy.special import betaln, logsumexp
 
-from pipeline.core.histogram import (
+from pipeline.core.mixture.histogram import (
     DEFAULT_BINS,
     LossHistogram,
     as_float_array,

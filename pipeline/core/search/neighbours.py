@@ -1,6 +1,6 @@
 """The neighbour-search interface the label methods are written against (docs/methods.md §4).
 
-Pure module: numpy + faiss (through `pipeline.core.knn`); no Ray, no I/O.
+Pure module: numpy + faiss (through `pipeline.core.search.knn`); no Ray, no I/O.
 
 Contract:
 - A label method needs two things from the corpus beyond its own shard: the k nearest rows of
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pipeline.core.knn import IndexShard, is_gpu_index, merge_topk, train_index
+from pipeline.core.search.knn import IndexShard, is_gpu_index, merge_topk, train_index
 
 __all__ = [
     "ROW_FIELDS",

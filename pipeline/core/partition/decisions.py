@@ -5,9 +5,10 @@ Pure module: numpy only (docs/methods.md §3).
 Contract:
 - A label pass sees the corpus one shard at a time. Each shard reduces its rows to counts
   (`partition_counts`); a method's `decide` function turns the summed counts, plus a few order
-  statistics found with `pipeline.core.select.radix_select`, into one `PartitionDecisions`; every
-  shard then applies it to its own rows (`shard_masks`). The decisions are a handful of numbers,
-  so the partition of a shard depends on the corpus, never on how it was sharded.
+  statistics found with `pipeline.core.partition.select.radix_select`, into one
+  `PartitionDecisions`; every shard then applies it to its own rows (`shard_masks`). The decisions
+  are a handful of numbers, so the partition of a shard depends on the corpus, never on how it was
+  sharded.
 - Fallbacks (docs/methods.md §3.2), reported in the partition summary, never silent:
   * 1 % rule: when every finite posterior exceeds the threshold, the threshold becomes the value
     at sorted position floor(N/100), so about 1 % of the pairs turn noisy;
@@ -28,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.core.select import Cut, at_or_below, key_value, order_keys
+from pipeline.core.partition.select import Cut, at_or_below, key_value, order_keys
 
 __all__ = [
     "CLEAN",

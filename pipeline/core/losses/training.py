@@ -6,7 +6,7 @@ Contract:
   CLIP's logit scale of 100 never overflows. The result is a float32 scalar with autograd intact
   (embeddings and a tensor `logit_scale` both receive gradients); per-sample labels, margins and
   weights are constants (detached).
-- The per-sample InfoNCE terms come from `pipeline.core.losses.infonce_per_sample`
+- The per-sample InfoNCE terms come from `pipeline.core.losses.per_sample.infonce_per_sample`
   (docs/methods.md §1.2); this module only reduces them.
 - `select_small_loss`: BiCro's warm-up selection (docs/methods.md §10.2), the ⌊ratio·B⌋
   lowest losses.
@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from pipeline.core.losses import infonce_per_sample
+from pipeline.core.losses.per_sample import infonce_per_sample
 
 __all__ = [
     "SOFT_MARGINS",

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from pipeline.core.faiss_gpu import GPU_MAX_K
+from pipeline.core.search.faiss_gpu import GPU_MAX_K
 
 __all__ = [
     "EmbeddingLookup",

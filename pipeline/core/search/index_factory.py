@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from pipeline.core.faiss_gpu import GPU_PQ_CODE_BYTES
+from pipeline.core.search.faiss_gpu import GPU_PQ_CODE_BYTES
 
 __all__ = ["auto_factory"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.core.batching import fixed_size_loss_batches
+from pipeline.core.losses.batching import fixed_size_loss_batches
 
 __all__ = [
     "batched_losses",
