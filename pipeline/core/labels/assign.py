@@ -46,6 +46,7 @@ __all__ = [
     "index_role",
     "label_shard",
     "partial_sinkhorn",
+    "rematch_block",
 ]
 
 # The `all` role with the fields the proxies need (keys, captions) besides RCR's groups.
@@ -224,34 +225,64 @@ def assign_block(
         "assign": np.clip(value, 0.0, 1.0).astype(np.float32),
         "size": size.astype(np.int64),
     }
-    if rematch is None:
-        return out
+    if rematch is not None:
+        out.update(rematch_block(logits, valid, position, rematch, mass=mass, **options))
+    return out
+
+
+def rematch_block(
+    logits: np.ndarray,
+    valid: np.ndarray,
+    position: np.ndarray,
+    rematch: np.ndarray,
+    *,
+    mass: float,
+    epsilon: float = 1.0,
+    iterations: int = 50,
+) -> dict[str, np.ndarray]:
+    """L2RM's rematch: the OT of the `rematch` queries re-solved with their own entry forbidden.
+
+    Args:
+        logits: (Q, M, M) float64 s * u_r . v_c of each block, as `assign_block` builds them.
+        valid: (Q, M) bool real candidates.
+        position: (Q,) int64 the query's own position in its candidate list.
+        rematch: (Q,) bool queries to re-solve; the others keep -1 and 0.
+        mass, epsilon, iterations: as `partial_sinkhorn`.
+
+    Returns:
+        dict of (Q,): "text_pos" / "image_pos" int64 candidate positions of the caption
+        receiving the most of the image's mass and of the image sending the most to the
+        caption (-1: none or not rematched), "text_share" / "image_share" float32 that mass
+        times |P|.
+    """
+    q, m_pad = valid.shape
+    size = valid.sum(axis=1)
     picked = np.flatnonzero(np.asarray(rematch, dtype=bool))
     text_pos = np.full(q, -1, dtype=np.int64)
     image_pos = np.full(q, -1, dtype=np.int64)
     text_share = np.zeros(q, dtype=np.float32)
     image_share = np.zeros(q, dtype=np.float32)
-    if picked.size:
-        forbid = np.zeros((picked.size, m_pad, m_pad), dtype=bool)
-        forbid[np.arange(picked.size), position[picked], position[picked]] = True
-        masked = partial_sinkhorn(logits[picked], valid[picked], mass, forbid=forbid, **options)
-        sub = np.arange(picked.size)
-        pos = position[picked]
-        # Real, valid, not the pair itself; argmax takes the first maximum: the smallest id.
-        allowed = valid[picked] & (np.arange(m_pad)[None, :] != pos[:, None])
-        row = np.where(allowed, masked[sub, pos, :m_pad], -1.0)  # the image's mass by caption
-        col = np.where(allowed, masked[sub, :m_pad, pos], -1.0)  # the caption's mass by image
-        best_text, best_image = row.argmax(axis=1), col.argmax(axis=1)
-        has_text = row[sub, best_text] > 0
-        has_image = col[sub, best_image] > 0
-        scale = size[picked]
-        text_pos[picked] = np.where(has_text, best_text, -1)
-        image_pos[picked] = np.where(has_image, best_image, -1)
-        text_share[picked] = np.clip(scale * np.maximum(row[sub, best_text], 0), 0, 1)
-        image_share[picked] = np.clip(scale * np.maximum(col[sub, best_image], 0), 0, 1)
-    out.update(
+    out = dict(
         text_pos=text_pos, image_pos=image_pos, text_share=text_share, image_share=image_share
     )
+    if not picked.size:
+        return out
+    sub = np.arange(picked.size)
+    pos = position[picked]
+    forbid = np.zeros((picked.size, m_pad, m_pad), dtype=bool)
+    forbid[sub, pos, pos] = True
+    options = dict(epsilon=epsilon, iterations=iterations, forbid=forbid)
+    masked = partial_sinkhorn(logits[picked], valid[picked], mass, **options)
+    # Real, valid, not the pair itself; argmax takes the first maximum: the smallest id.
+    allowed = valid[picked] & (np.arange(m_pad)[None, :] != pos[:, None])
+    row = np.where(allowed, masked[sub, pos, :m_pad], -1.0)  # the image's mass by caption
+    col = np.where(allowed, masked[sub, :m_pad, pos], -1.0)  # the caption's mass by image
+    best_text, best_image = row.argmax(axis=1), col.argmax(axis=1)
+    scale = size[picked]
+    text_pos[picked] = np.where(row[sub, best_text] > 0, best_text, -1)
+    image_pos[picked] = np.where(col[sub, best_image] > 0, best_image, -1)
+    text_share[picked] = np.clip(scale * np.maximum(row[sub, best_text], 0), 0, 1)
+    image_share[picked] = np.clip(scale * np.maximum(col[sub, best_image], 0), 0, 1)
     return out
 
 
