@@ -501,6 +501,9 @@ def main() -> None:
     )
     quality_web.add_arguments(parser)
     args = parser.parse_args()
+    if args.summarise:
+        quality_web.summarise_files(args.summarise)
+        return
 
     from pipeline.runtime.ray import init_ray
 

@@ -359,9 +359,29 @@ def summarise(results: dict[str, list[dict]], gates: list[dict]) -> None:
     )
 
 
+def summarise_files(paths: list[str]) -> None:
+    """`web_summary` over the `web_run` and `web_teacher` lines of earlier outputs (several
+    calls with --only, e.g. the baselines first and more methods later)."""
+    results: dict[str, dict[int, dict]] = {}
+    gates: dict[int, dict] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            if not line.startswith("{"):
+                continue
+            row = json.loads(line)
+            if row.get("figure") == "web_run":
+                results.setdefault(row["run"], {})[row["seed"]] = row  # the latest wins
+            elif row.get("figure") == "web_teacher":
+                gates[row["seed"]] = row
+    summarise({n: list(rows.values()) for n, rows in results.items()}, list(gates.values()))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("--corpus web")
     group.add_argument("--teacher", default="data/teacher/model.pt", help="`make teacher` output")
     group.add_argument("--val-samples", type=int, default=500)
     group.add_argument("--only", nargs="+", default=None, help="run only these runs (names above)")
     group.add_argument("--keep-runs", action="store_true", help="keep every run directory")
+    group.add_argument(
+        "--summarise", nargs="+", default=None, help="only summarise these earlier outputs"
+    )
