@@ -1,11 +1,12 @@
 """Exports of the project's contracts, generated from the code (docs/architecture.md §4.4).
 
-`schemas/job.schema.json` is the job file's JSON Schema, `schemas/labels.v2.json` the label
-table's columns and file metadata (docs/architecture.md §4.4; `labels.v1.json`, the previous
-version, is kept for readers of old runs), and `docs/config.md` the job file's reference for
-people: one Markdown table per section, rendered from the pydantic models' field descriptions
-(`render_config_reference`). Tests fail when a committed file differs from what this module
-generates; `ncl-pipeline schemas` (`make schemas`) rewrites them all.
+`schemas/job.schema.json` is the job file's JSON Schema, `schemas/labels.v3.json` the label
+table's columns and file metadata (docs/architecture.md §4.4; `labels.v1.json` and
+`labels.v2.json`, the previous versions, are kept for readers of old runs), and
+`docs/config.md` the job file's reference for people: one Markdown table per section, rendered
+from the pydantic models' field descriptions (`render_config_reference`). Tests fail when a
+committed file differs from what this module generates; `ncl-pipeline schemas` (`make schemas`)
+rewrites them all.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from pipeline.config import JobConfig, job_json_schema
-from pipeline.io.labels import labels_json_schema
+from pipeline.io.labels import READABLE_SCHEMA_NAMES, labels_json_schema
 
 __all__ = [
     "CONFIG_DOC",
@@ -36,8 +37,7 @@ def generated_schemas() -> dict[str, dict]:
     """File name -> JSON document, for every exported schema."""
     return {
         "job.schema.json": job_json_schema(),
-        "labels.v1.json": labels_json_schema("labels.v1"),
-        "labels.v2.json": labels_json_schema("labels.v2"),
+        **{f"{name}.json": labels_json_schema(name) for name in READABLE_SCHEMA_NAMES},
     }
 
 

@@ -63,7 +63,7 @@ def pipeline_run(root: Path) -> dict:
 
 
 def truth_labelled_corpus(root: Path, *, seed: int = 11) -> dict:
-    """A corpus with `labels.v2` tables made from its ground truth, without running a model.
+    """A corpus with `labels.v3` tables made from its ground truth, without running a model.
 
     8 shards of 30 pairs (a few corrupt samples, left out of the tables as the pipeline would
     quarantine them). soft_label is the ground-truth degree (1 clean, 0.5 partial, 0 mismatched)
@@ -78,6 +78,7 @@ def truth_labelled_corpus(root: Path, *, seed: int = 11) -> dict:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    from pipeline.core.labels import SCORE_COLUMNS
     from pipeline.data.synthetic import make_corpus
     from pipeline.io.labels import LABELS_SCHEMA, SUBSET_VALUES, labels_file_metadata, uid_of
     from pipeline.io.tables import write_table_atomic
@@ -117,9 +118,7 @@ def truth_labelled_corpus(root: Path, *, seed: int = 11) -> dict:
             "subset": pa.DictionaryArray.from_arrays(codes, pa.array(SUBSET_VALUES)),
             "loss": np.zeros(n, np.float32),
             "cosine": np.zeros(n, np.float32),
-            "bicro": nulls,
-            "rcr": nulls,
-            "sps": nulls,
+            **{name: nulls for name in SCORE_COLUMNS},  # every method's score: not computed
             "image_anchor_key": pa.nulls(n, pa.string()),
             "text_anchor_key": pa.nulls(n, pa.string()),
             "round": np.ones(n, np.int16),

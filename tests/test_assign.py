@@ -152,10 +152,13 @@ def _corpus(seed=5, n=300, dim=16, noise=0.3, spread=2.0):
 
 
 def _scores(u, v, mass, **options) -> np.ndarray:
-    """The raw assignment score a of every pair: the fused label with posterior 0."""
+    """The raw assignment score a of every pair (the `assign` column): the fused label with
+    posterior 0."""
     params = AssignLabelsConfig(label="fused", mass=mass, **options)
     zeros = np.zeros(len(u), dtype=np.float32)
-    return label_in_memory("assign", params, u=u, v=v, loss=zeros, prob=zeros).labels.soft_label
+    labels = label_in_memory("assign", params, u=u, v=v, loss=zeros, prob=zeros).labels
+    np.testing.assert_array_equal(labels.scores["assign"], labels.soft_label)
+    return labels.scores["assign"]
 
 
 def test_labels_do_not_depend_on_index_stores_or_shards():
@@ -176,6 +179,7 @@ def test_labels_do_not_depend_on_index_stores_or_shards():
         query_batch=17,
     )
     np.testing.assert_array_equal(base.labels.soft_label, other.labels.soft_label)
+    np.testing.assert_array_equal(base.labels.scores["assign"], other.labels.scores["assign"])
     for name, values in base.labels.proxies.items():
         np.testing.assert_array_equal(values, other.labels.proxies[name])
 
@@ -307,7 +311,9 @@ def test_label_pass_writes_assign_tables(local_ray, tmp_path):
     table = read_labels(spec.out_dir).to_table().sort_by("key")
     soft = table.column("soft_label").to_numpy()
     prob = table.column("clean_prob").to_numpy()
-    assert np.all(soft <= prob + 1e-6)  # min(p, a)
+    score = table.column("assign").to_numpy()  # labels.v3: the raw score a
+    assert table.column("assign").null_count == 0 and np.all((score >= 0) & (score <= 1))
+    np.testing.assert_allclose(soft, np.minimum(prob, score), atol=1e-6)  # min(p, a)
     clean = info["kind"][np.argsort(info["keys"])] == "clean"
     assert roc_auc_score(clean, soft) > 0.9
     for shard in info["shards"]:

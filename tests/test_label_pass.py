@@ -81,7 +81,7 @@ def test_labels_table_schema_and_metadata(blob_run, blob_labels):
             schema = pq.read_schema(path)
             assert schema.remove_metadata() == LABELS_SCHEMA.remove_metadata()
             meta = {k.decode(): v.decode() for k, v in schema.metadata.items()}
-            assert meta["ncl.schema"] == "labels.v2" and meta["ncl.job_hash"] == "test"
+            assert meta["ncl.schema"] == "labels.v3" and meta["ncl.job_hash"] == "test"
             assert meta["ncl.model_id"] == "blobs" and meta["ncl.method"] == method
             assert meta["ncl.pipeline_version"]
             fits = json.loads(meta["ncl.mixture"])["fits"]
@@ -278,15 +278,17 @@ def test_label_spec_validation():
 
 
 def test_committed_labels_schemas_are_current():
-    committed = json.loads((ROOT / "schemas" / "labels.v2.json").read_text())
+    committed = json.loads((ROOT / "schemas" / "labels.v3.json").read_text())
     assert committed == labels_json_schema()
     assert [c["name"] for c in committed["columns"]] == LABELS_SCHEMA.names
-    assert committed["file_metadata"]["ncl.schema"] == "labels.v2"
-    # The previous version stays for readers of old runs: v2 only appended columns.
-    previous = json.loads((ROOT / "schemas" / "labels.v1.json").read_text())
-    assert previous == labels_json_schema("labels.v1")
-    v1 = [c["name"] for c in previous["columns"]]
-    assert LABELS_SCHEMA.names[: len(v1)] == v1
+    assert committed["file_metadata"]["ncl.schema"] == "labels.v3"
+    # The previous versions stay for readers of old runs: each only appended columns.
+    for version in ("labels.v1", "labels.v2"):
+        previous = json.loads((ROOT / "schemas" / f"{version}.json").read_text())
+        assert previous == labels_json_schema(version)
+        names = [c["name"] for c in previous["columns"]]
+        assert LABELS_SCHEMA.names[: len(names)] == names
+    assert LABELS_SCHEMA.names[17:] == ["assign"]  # v3 = v2 + the assign score
 
 
 # ---------------------------------------------------------------------------------------------

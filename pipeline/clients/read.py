@@ -1,9 +1,11 @@
-"""Public reader of the soft-label tables (`labels.v2`, and `labels.v1`; docs/architecture.md §4.4).
+"""Public reader of the soft-label tables (`labels.v3`, and the older `labels.v2` and `labels.v1`;
+docs/architecture.md §4.4).
 
 Contract: `read_labels(path)` returns a `pyarrow.dataset.Dataset` over one folder of label
 tables, with the explicit (current) `LABELS_SCHEMA`, after checking that every file declares
-`ncl.schema=labels.v1` or `labels.v2` in its Parquet metadata. A v1 file reads with the columns
-v2 appended (`uid`, `image_sha256`) null. It reads nothing else: filter, project and
+one of `READABLE_SCHEMA_NAMES` (`labels.v1`, `v2`, `v3`) as `ncl.schema` in its Parquet metadata.
+An older file reads with the columns later versions appended null (v1: `uid`, `image_sha256`,
+`assign`; v2: `assign`). It reads nothing else: filter, project and
 convert with pyarrow (`.to_table(columns=[...], filter=...)`, `.to_batches()`), or hand the
 files to pandas / polars / DuckDB / Spark.
 """
@@ -21,7 +23,7 @@ __all__ = ["LabelTableError", "labels_folder", "labels_folder_url", "read_labels
 
 
 class LabelTableError(UserError, ValueError):
-    """The path holds no label tables, or a file that is not a `labels.v1`/`labels.v2` table."""
+    """The path holds no label tables, or a file that is not a readable label table."""
 
 
 def _fs(path: str):
@@ -85,7 +87,7 @@ def labels_folder_url(path: str | os.PathLike, view: str | None = None) -> str:
 
 
 def read_labels(path: str | os.PathLike, *, view: str | None = None) -> ds.Dataset:
-    """The label tables under `path` as one pyarrow Dataset (schema `labels.v2`).
+    """The label tables under `path` as one pyarrow Dataset (schema `labels.v3`).
 
     Args:
         path: run directory, label folder or round directory (see `labels_folder`); a local
@@ -96,8 +98,8 @@ def read_labels(path: str | os.PathLike, *, view: str | None = None) -> ds.Datas
         A `pyarrow.dataset.Dataset` with schema `LABELS_SCHEMA`, one fragment per shard.
 
     Raises:
-        LabelTableError: no label tables, or a file whose `ncl.schema` is neither `labels.v1`
-            nor `labels.v2`.
+        LabelTableError: no label tables, or a file whose `ncl.schema` is not one of
+            `READABLE_SCHEMA_NAMES`.
     """
     import pyarrow.parquet as pq
 

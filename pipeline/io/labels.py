@@ -1,23 +1,30 @@
-"""The soft-label table `labels.v2` (docs/architecture.md §4.4): its one explicit schema and
+"""The soft-label table `labels.v3` (docs/architecture.md §4.4): its one explicit schema and
 its JSON export.
 
 Contract:
 - `LABELS_SCHEMA` is the only definition of the label table. The label pass writes every file
   with it (plus per-file metadata from `labels_file_metadata`), `pipeline.clients.read.read_labels`
-  reads with it, and `schemas/labels.v2.json` is generated from it (`labels_json_schema`).
+  reads with it, and `schemas/labels.v3.json` is generated from it (`labels_json_schema`).
+- Score columns come from the label-method registry (`pipeline.core.labels.SCORE_COLUMNS` and
+  their `SCORE_DESCRIPTIONS`): v1's three (`bicro`, `rcr`, `sps`) keep their v1 positions, every
+  later method's column is appended after v2's columns. A method that adds a score column
+  therefore changes the table: `schemas/labels.v3.json` stops matching (a test) and the change
+  needs a new version here.
 - Versions (contracts change only by a versioned, documented step). `labels.v2` =
   `labels.v1` + two nullable columns appended at the end, `uid` and `image_sha256`, the stable
   ids downstream joins need; no v1 column changed name, type, order or meaning. What a reader
   of v1 sees in a v2 file: the same first 15 columns, two more at the end (pandas, polars,
   DuckDB, Spark and pyarrow read them as ordinary columns; code that selects columns by name is
   unaffected), and `ncl.schema=labels.v2`, which a strict v1 checker (the `read_labels` of
-  releases before v2) refuses with "not a labels.v1 label table" rather than misreading. Readers of
-  this version accept both (`READABLE_SCHEMA_NAMES`); a v1 file reads with both new columns null.
-  `LABELS_V1_SCHEMA` (the first 15 columns) and `schemas/labels.v1.json` stay for reference.
+  releases before v2) refuses with "not a labels.v1 label table" rather than misreading.
+  `labels.v3` = `labels.v2` + the nullable score column `assign` appended, in the same way.
+  Readers of this version accept all three (`READABLE_SCHEMA_NAMES`); an older file reads with
+  the columns it lacks null. `LABELS_V1_SCHEMA`, `LABELS_V2_SCHEMA` and their
+  `schemas/labels.v1.json`, `labels.v2.json` stay for reference.
 - `uid` (DataComp's convention): the sample json's `uid` when it is 32 hex digits, else the first
   128 bits of the SHA-256 of the key (`uid_of`); 32 lowercase hex digits. `image_sha256`: hex
   SHA-256 of the image member's bytes as stored in the tar (what the embed pass hashes).
-- File-level metadata always holds `ncl.schema=labels.v2`, the pipeline version, the job hash,
+- File-level metadata always holds `ncl.schema=labels.v3`, the pipeline version, the job hash,
   the model id and the mixture parameters (JSON); `REQUIRED_METADATA` lists those keys.
   `ncl.shard_path` (the source tar, for report thumbnails) and the method/round/view are
   recorded too, and `ncl.trainee_view`: the view whose embeddings and losses made the labels
@@ -37,10 +44,13 @@ from typing import Any
 
 import pyarrow as pa
 
+from pipeline.core.labels import SCORE_COLUMNS, SCORE_DESCRIPTIONS
+
 __all__ = [
     "LABELS_SCHEMA",
     "LABELS_SCHEMA_NAME",
     "LABELS_V1_SCHEMA",
+    "LABELS_V2_SCHEMA",
     "READABLE_SCHEMA_NAMES",
     "REQUIRED_METADATA",
     "SPS_PROXIES_SCHEMA",
@@ -51,11 +61,18 @@ __all__ = [
     "uid_of",
 ]
 
-LABELS_SCHEMA_NAME = "labels.v2"
-READABLE_SCHEMA_NAMES = ("labels.v1", "labels.v2")  # what `read_labels` accepts
+LABELS_SCHEMA_NAME = "labels.v3"
+READABLE_SCHEMA_NAMES = ("labels.v1", "labels.v2", "labels.v3")  # what `read_labels` accepts
 SUBSET_VALUES = ("clean", "quasi_clean", "noisy")  # `subset` dictionary values
 # v2 = v1 + `caption`, `p_hat_img`, `p_hat_txt` appended (the text-direction proxy pair trains)
 SPS_PROXIES_SCHEMA_NAME = "sps_proxies.v2"
+
+_V1_SCORES = ("bicro", "rcr", "sps")  # score columns in their labels.v1 positions
+
+
+def _score_column(name: str) -> tuple[str, pa.DataType, bool, str]:
+    return (name, pa.float32(), True, SCORE_DESCRIPTIONS[name])
+
 
 # (name, type, nullable, description): the table of docs/architecture.md §4.4, in column order.
 _COLUMNS: tuple[tuple[str, pa.DataType, bool, str], ...] = (
@@ -78,9 +95,7 @@ _COLUMNS: tuple[tuple[str, pa.DataType, bool, str], ...] = (
     ),
     ("loss", pa.float32(), False, "per-sample loss the mixture was fitted on"),
     ("cosine", pa.float32(), False, "image-text cosine similarity (CLIP-score baseline)"),
-    ("bicro", pa.float32(), True, "BiCro soft label before the BiCro* cut, when computed"),
-    ("rcr", pa.float32(), True, "RCR rank-consistency weight w (before masking by C)"),
-    ("sps", pa.float32(), True, "SPS label of the original pair, when computed"),
+    *(_score_column(name) for name in _V1_SCORES),
     (
         "image_anchor_key",
         pa.string(),
@@ -108,8 +123,11 @@ _COLUMNS: tuple[tuple[str, pa.DataType, bool, str], ...] = (
         True,
         "hex sha256 of the image member's bytes as stored in the tar (labels.v2)",
     ),
+    # labels.v3: every later method's score column, appended, nullable.
+    *(_score_column(name) for name in SCORE_COLUMNS if name not in _V1_SCORES),
 )
-_V1_COLUMNS = 15  # labels.v1 is the first 15 columns of v2
+# Each version is a prefix of the next: its number of leading columns.
+_VERSION_COLUMNS = {"labels.v1": 15, "labels.v2": 17, "labels.v3": len(_COLUMNS)}
 
 REQUIRED_METADATA = (
     "ncl.schema",
@@ -126,9 +144,16 @@ LABELS_SCHEMA = pa.schema(
     ],
     metadata={"ncl.schema": LABELS_SCHEMA_NAME},
 )
-LABELS_V1_SCHEMA = pa.schema(
-    list(LABELS_SCHEMA)[:_V1_COLUMNS], metadata={"ncl.schema": "labels.v1"}
-)
+
+
+def _version_schema(version: str) -> pa.Schema:
+    return pa.schema(
+        list(LABELS_SCHEMA)[: _VERSION_COLUMNS[version]], metadata={"ncl.schema": version}
+    )
+
+
+LABELS_V1_SCHEMA = _version_schema("labels.v1")
+LABELS_V2_SCHEMA = _version_schema("labels.v2")
 
 _UID_RE = re.compile(r"^[0-9a-fA-F]{32}$")
 
@@ -203,11 +228,12 @@ def labels_json_schema(version: str = LABELS_SCHEMA_NAME) -> dict[str, Any]:
     """`schemas/<version>.json`: the column list and the required file metadata.
 
     Args:
-        version: `labels.v2` (current) or `labels.v1` (its first 15 columns, kept for reference).
+        version: `labels.v3` (current), or `labels.v2` / `labels.v1` (its first 17 / 15
+            columns, kept for reference).
     """
     if version not in READABLE_SCHEMA_NAMES:
         raise ValueError(f"unknown label table version {version!r}; use {READABLE_SCHEMA_NAMES}")
-    schema = LABELS_SCHEMA if version == LABELS_SCHEMA_NAME else LABELS_V1_SCHEMA
+    schema = _version_schema(version)
     return {
         "title": version,
         "description": (

@@ -3,11 +3,14 @@
 Contract:
 - `publish_labels(sources, out_dir, ...)` reads `rounds/<r>/labels_a/<shard>.parquet` and
   `rounds/<r>/labels_b/<shard>.parquet` (same keys, same order: both come from one embeddings
-  table) and writes `out_dir/<shard>.parquet` in `labels.v2`, one Ray task per shard, so no
+  table) and writes `out_dir/<shard>.parquet` in `labels.v3`, one Ray task per shard, so no
   per-sample data reaches the driver (except the ground-truth quality arrays of the demo).
   How the two views combine (documented in the README):
-  - soft_label, clean_prob, loss, cosine, bicro, rcr, sps: the mean of the two views (the test
-    time rule of co-teaching, which averages the two models' similarities; docs/methods.md §9.4);
+  - soft_label, clean_prob, loss, cosine and every registered method's score columns
+    (`pipeline.core.labels.SCORE_COLUMNS`: bicro, rcr, sps, assign, ...): the mean of the two
+    views (the test time rule of co-teaching, which averages the two models' similarities;
+    docs/methods.md §9.4); null where either view has none (a view table written before its
+    column existed reads as all null);
   - subset: the more cautious of the two (clean only when both views say clean; noisy when
     either says noisy);
   - image_anchor_key / text_anchor_key: view a's; round: the round both views come from;
@@ -30,8 +33,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from pipeline.core.labels import SCORE_COLUMNS
 from pipeline.io.ground_truth import quality_arrays, quality_from_parts
-from pipeline.io.labels import LABELS_SCHEMA, SUBSET_VALUES, uid_of
+from pipeline.io.labels import LABELS_SCHEMA, LABELS_SCHEMA_NAME, SUBSET_VALUES, uid_of
 from pipeline.io.tables import read_json, read_table, write_json_atomic, write_table_atomic
 from pipeline.runtime.progress import Progress, as_completed
 
@@ -40,7 +44,8 @@ __all__ = ["publish_labels", "LabelViewMismatchError"]
 logger = logging.getLogger(__name__)
 
 SUMMARY_NAME = "_label_pass.json"
-AVERAGED = ("soft_label", "clean_prob", "loss", "cosine", "bicro", "rcr", "sps")
+# The registry's score columns are averaged too: a new method's column needs no change here.
+AVERAGED = ("soft_label", "clean_prob", "loss", "cosine", *SCORE_COLUMNS)
 ID_COLUMNS = ("uid", "image_sha256")  # labels.v2: filled from the embeddings table
 
 
@@ -134,8 +139,12 @@ def combine_shard(
         if name not in columns or columns[name].null_count == len(keys):
             ids = ids or _id_columns(keys, f"{embeddings_dir}/{shard}.parquet")
             columns[name] = ids[name]
+    names_b = set(table_b.schema.names)
     for name in AVERAGED:
-        columns[name] = _mean_column(table_a.column(name), table_b.column(name))
+        if name in present and name in names_b:
+            columns[name] = _mean_column(table_a.column(name), table_b.column(name))
+        else:  # a view table older than this score column: null, as a reader would see it
+            columns[name] = pa.nulls(len(keys), LABELS_SCHEMA.field(name).type)
     subset = np.maximum(
         _subset_codes(table_a.column("subset")), _subset_codes(table_b.column("subset"))
     )
@@ -144,6 +153,7 @@ def combine_shard(
     )
     metadata = {
         **meta_a,
+        "ncl.schema": LABELS_SCHEMA_NAME,  # the columns written below, whatever the views had
         "ncl.view": f"{view_a}+{view_b}",
         "ncl.combined": "mean",
         "ncl.sources": json.dumps([folder_a, folder_b]),

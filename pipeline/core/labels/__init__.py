@@ -25,6 +25,7 @@ __all__ = [
     "INDEX_ROLES",
     "LABEL_METHODS",
     "SCORE_COLUMNS",
+    "SCORE_DESCRIPTIONS",
     "IndexRole",
     "LabelMethod",
     "ShardInputs",
@@ -40,6 +41,7 @@ LABEL_METHODS: dict[str, LabelMethod] = {
         index_role=bicro.index_role,
         label_shard=bicro.label_shard,
         score_columns=("bicro",),
+        score_descriptions=("BiCro soft label before the BiCro* cut, when computed",),
         training_target="bicro",
         quality_scores=bicro.quality_scores,
         weight_cut=bicro.weight_cut,
@@ -50,6 +52,7 @@ LABEL_METHODS: dict[str, LabelMethod] = {
         index_role=rcr.index_role,
         label_shard=rcr.label_shard,
         score_columns=("rcr",),
+        score_descriptions=("RCR rank-consistency weight w (before masking by C)",),
         training_target="weights",
         direction_posteriors=True,
         quality_scores=rcr.quality_scores,
@@ -60,6 +63,7 @@ LABEL_METHODS: dict[str, LabelMethod] = {
         index_role=sps.index_role,
         label_shard=sps.label_shard,
         score_columns=("sps",),
+        score_descriptions=("SPS label of the original pair, when computed",),
         training_target="sps",
         uses_trainee_view=True,
         proxy_table=True,
@@ -78,15 +82,25 @@ LABEL_METHODS: dict[str, LabelMethod] = {
         decide=assign.decide,
         index_role=assign.index_role,
         label_shard=assign.label_shard,
-        # The raw score a needs a labels.v3 column (a versioned schema step): not yet.
-        score_columns=(),
+        score_columns=("assign",),
+        score_descriptions=(
+            "Assign score a in [0, 1] (labels.assign.score: share of the pair's transported "
+            "mass kept on its own partner, or relative), when computed (labels.v3)",
+        ),
         training_target="weights",
         proxy_table=True,  # rematch targets; trained only by the sps target so far
     ),
 }
 
-# Every method's score columns, in registry order (the label table's nullable score columns).
+# Every method's score columns, in registry order: the label table's nullable score columns
+# (pipeline/io/labels.py) and the columns publish averages over the two views. The one list.
 SCORE_COLUMNS = tuple(c for method in LABEL_METHODS.values() for c in method.score_columns)
+# column -> its one-line description in the label-table schema
+SCORE_DESCRIPTIONS = {
+    column: text
+    for method in LABEL_METHODS.values()
+    for column, text in zip(method.score_columns, method.score_descriptions, strict=True)
+}
 
 
 def get_method(name: str) -> LabelMethod:

@@ -372,9 +372,7 @@ def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch, params) -> Sha
             rematch[side][rows] = np.where(found >= 0, cand[block, np.maximum(found, 0)], -1)
             rematch[f"{side}_share"][rows] = out[f"{side}_share"]
     soft = assign_label(inputs.scalars.prob, score, params.label)
-    # The raw score a (label "fused" with p = 0) stays out of `scores` until the label table
-    # has an `assign` column (a labels.v3 step).
-    labels = ShardLabels(soft_label=soft, subset=subset)
+    labels = ShardLabels(soft_label=soft, subset=subset, scores={"assign": score})
     noisy = np.flatnonzero(subset == NOISY)
     labels.proxies = _proxies(neighbours, noisy, u, v, dim, rematch)
     # The anchor-key columns name the two rematches, as they name SPS's proxies.

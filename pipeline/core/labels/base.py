@@ -5,7 +5,8 @@ Pure module. A method is a `LabelMethod` entry in `pipeline.core.labels.LABEL_ME
   `partition_counts` and order statistics (`pipeline.core.partition.decisions`);
 - `index_role(params)`: which rows its neighbour searches run over (an `IndexRole`), or None;
 - `label_shard(inputs, neighbours, params)`: the labels of one shard (`ShardLabels`);
-- `score_columns`: the label-table columns it fills besides soft_label and subset;
+- `score_columns`: the label-table columns it fills besides soft_label and subset (nullable
+  float32, averaged over the two views on publish), each described by `score_descriptions`;
 - `training_target`: how a trainer turns its rows into weights (`pipeline.core.coteach`);
 - `quality_scores(inputs, labels, cosine)`: extra scores evaluated against ground truth.
 `params` is the method's settings object (the job's `labels.<method>` section: any object with
@@ -93,7 +94,7 @@ class LabelMethod:
     decide: Callable[[dict[str, int], Select, float, Any], tuple[PartitionDecisions, dict]]
     index_role: Callable[[Any], IndexRole | None]
     label_shard: Callable[[ShardInputs, NeighbourSearch | None, Any], ShardLabels]
-    score_columns: tuple[str, ...]
+    score_columns: tuple[str, ...]  # float32 nullable label-table columns, averaged on publish
     training_target: str  # a key of pipeline.core.coteach.TRAINING_TARGETS
     direction_posteriors: bool = False  # needs a GMM per InfoNCE direction (RCR)
     uses_trainee_view: bool = False  # labels from the trainee's embeddings (SPS)
@@ -102,3 +103,12 @@ class LabelMethod:
     quality_scores: Callable[..., tuple[dict, dict]] = no_quality_scores
     # Labels at or below this train with weight 0 (params -> cut; BiCro's fused label: theta).
     weight_cut: Callable[[Any], float] = lambda params: 0.0
+    # One line per score column: its description in the label-table schema (schemas/*.json).
+    score_descriptions: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.score_descriptions) != len(self.score_columns):
+            raise ValueError(
+                f"label method {self.name!r}: give one score_descriptions line per score column "
+                f"{self.score_columns} (the label-table schema describes every column)"
+            )

@@ -1,7 +1,7 @@
 """Export the cleaned corpus of a run for training: webdataset shards, a DataComp uid file, keys.
 
 Contract (`ncl-pipeline export RUN --out DIR`, issue 12):
-- Kept pairs: the rows of `RUN/labels/*.parquet` (labels.v1 or v2) with
+- Kept pairs: the rows of `RUN/labels/*.parquet` (any readable labels.v1, v2 or v3) with
   `soft_label >= min_label` and `subset` in `subsets` (`pipeline.stages.export.tasks.kept_filter`).
 - `wds`: img2dataset-layout tars of the kept pairs, resharded to `samples_per_shard` pairs per
   output shard (the last one holds the rest), named `00000.tar`, `00001.tar`, ... in input
@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.errors import UserError
-from pipeline.io.labels import SUBSET_VALUES, uid_of
+from pipeline.io.labels import READABLE_SCHEMA_NAMES, SUBSET_VALUES, uid_of
 from pipeline.io.tables import open_atomic, read_json, write_json_atomic
 
 __all__ = [
@@ -283,7 +283,7 @@ def export_run(
     """
     files = _label_files(spec.run)
     infos = {shard: _file_info(path) for shard, path in files.items()}
-    unknown = {i["schema"] for i in infos.values()} - {"labels.v1", "labels.v2"}
+    unknown = {i["schema"] for i in infos.values()} - set(READABLE_SCHEMA_NAMES)
     if unknown:
         from pipeline.clients.read import LabelTableError
 
