@@ -2,7 +2,9 @@
 export, schemas.
 
 Errors a user can fix (bad job file, missing shards, missing weights, a conflicting run
-directory) are printed as one `error:` message and exit with status 2, without a traceback.
+directory, an output another run is writing) are printed as one `error:` message and exit with
+status 2, without a traceback; an interrupted run (SIGINT, SIGTERM) prints one sentence and
+exits with 128 + the signal (docs/failures.md).
 
 The library logs through module loggers; every command shows them on the terminal through
 `pipeline.runtime.console.setup_console` (set up in `_console`, before the command runs).
@@ -61,8 +63,14 @@ def run(
 
     if verbose:
         setup_console(verbose=True)
+    from pipeline.errors import RunInterrupted
+
     job = _guard(load_job, job_file, overrides)
-    _guard(run_job, job)
+    try:
+        _guard(run_job, job)
+    except RunInterrupted as exc:  # Ctrl-C / SIGTERM: one sentence, exit 128 + the signal
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(code=exc.exit_code) from None
 
 
 @app.command()

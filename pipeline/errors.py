@@ -6,7 +6,14 @@ one line. `pipeline.run.failures.explain_failure` turns a failed stage into a `R
 
 from __future__ import annotations
 
-__all__ = ["RunFailedError", "ShardFailuresError", "UserError", "inner_exception", "root_cause"]
+__all__ = [
+    "RunFailedError",
+    "RunInterrupted",
+    "ShardFailuresError",
+    "UserError",
+    "inner_exception",
+    "root_cause",
+]
 
 
 class UserError(Exception):
@@ -26,6 +33,24 @@ class RunFailedError(UserError, RuntimeError):
 
 class ShardFailuresError(UserError, RuntimeError):
     """More shards failed to read than `input.max_failed_shards` allows."""
+
+
+class RunInterrupted(BaseException):  # noqa: N818 (like KeyboardInterrupt, not an error)
+    """SIGINT or SIGTERM stopped the run (pipeline.run.interrupts). A BaseException, like
+    KeyboardInterrupt, so that no stage's `except Exception` handles it as a failure. The CLI
+    prints the message and exits with `exit_code` (128 + the signal: 130 Ctrl-C, 143 SIGTERM)."""
+
+    def __init__(self, signum: int, stage: str = "") -> None:
+        self.signum = signum
+        self.stage = stage
+        where = f" in {stage}" if stage else ""
+        super().__init__(
+            f"interrupted{where}; finished stages are kept; rerun the same command to resume"
+        )
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
 
 
 def inner_exception(exc: BaseException) -> BaseException | None:

@@ -32,6 +32,12 @@ class RunLayout:
         return self._join("manifest.json")
 
     @property
+    def lease(self) -> str:
+        """The lease of the run writing this directory (pipeline.run.lease); absent when
+        none runs."""
+        return self._join("_lease.json")
+
+    @property
     def metrics(self) -> str:
         return self._join("metrics.json")
 

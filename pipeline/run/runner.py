@@ -14,12 +14,15 @@ from importlib import metadata
 from typing import Any
 
 from pipeline.config import JobConfig
-from pipeline.errors import RunFailedError, ShardFailuresError, UserError
+from pipeline.errors import RunFailedError, RunInterrupted, ShardFailuresError, UserError
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import expand_shard_patterns, shard_name
-from pipeline.io.tables import read_json, remove_path, write_json_atomic
+from pipeline.io.tables import remove_path, write_json_atomic
 from pipeline.models import ModelSpec, check_weights_available
 from pipeline.run.failures import explain_failure
+from pipeline.run.interrupts import Interrupts, catch_interrupts
+from pipeline.run.lease import acquire_lease
+from pipeline.run.manifest import read_manifest
 from pipeline.run.state import (
     RunState,
     embed_key,
@@ -43,6 +46,7 @@ from pipeline.run.train_specs import (
 
 __all__ = [
     "RunConflictError",
+    "RunInterrupted",
     "RunFailedError",
     "ShardFailuresError",
     "coteach_spec",
@@ -116,7 +120,7 @@ def _check_resume(job: JobConfig, layout: RunLayout) -> dict:
     changed (docs/architecture.md §4.3). Another job name is: running it there would replace
     the other job's labels, which is more likely a wrong `output` than an intent.
     """
-    manifest = read_json(layout.manifest) or {}
+    manifest = read_manifest(layout, keep_aside=True) or {}
     recorded = manifest.get("job_name")
     if recorded and recorded != job.name and manifest.get("stages"):
         raise RunConflictError(
@@ -208,46 +212,78 @@ def run_job(job: JobConfig) -> dict:
     """Run the pipeline for `job` on Ray and return the metrics written to metrics.json.
 
     Progress and summaries go to this module's logger (and the stages' loggers); what the
-    terminal shows is set up by the caller (pipeline.runtime.console).
+    terminal shows is set up by the caller (pipeline.runtime.console). The run holds the
+    output's lease while it runs (pipeline.run.lease) and stops on SIGINT / SIGTERM
+    (pipeline.run.interrupts).
 
     Raises:
         ShardPatternError: the input pattern matches no file.
         ModelLoadError: model name/weights unusable (checked before Ray starts).
+        OutputInUseError: another live run writes to the output (checked before Ray starts).
         RunConflictError: the output directory holds the results of another job (name).
         ShardFailuresError: more shards could not be read than input.max_failed_shards allows.
         RunFailedError: a stage failed (inside a Ray task or worker); one paragraph naming
             the stage, the cause and what to do, the traceback in <output>/logs/.
+        RunInterrupted: SIGINT or SIGTERM; Ray is stopped, the finished stages are kept.
     """
-    from pipeline.runtime.preflight import check_cluster
-    from pipeline.runtime.ray import init_ray
-
     job = _with_absolute_paths(job)
     layout = RunLayout(job.output)
     shard_paths = resolve_inputs(job)
     views = model_specs(job)
     for spec in views.values():
         check_weights_available(spec)
-    manifest = _check_resume(job, layout)
+    with catch_interrupts() as interrupts, acquire_lease(layout, job.name):
+        manifest = _check_resume(job, layout)
+        return _run_held(job, layout, shard_paths, views, manifest, interrupts)
+
+
+def _run_held(job, layout: RunLayout, shard_paths, views, manifest, interrupts: Interrupts):
+    """The run, once it holds the output's lease: Ray, preflight, the stages."""
+    from pipeline.run.space import check_output_space, embedded_pairs, remaining_space_note
+    from pipeline.runtime.preflight import check_cluster
+    from pipeline.runtime.ray import init_ray
 
     logger.debug(f"input shards: {shard_paths}")
-    where = init_ray(job.ray.address, job.ray.num_cpus)
-    check_cluster(job)  # refuses in seconds what no node could host (pipeline.runtime.preflight)
-    logger.info(
-        f"ncl-pipeline: job '{job.name}', {len(shard_paths)} shards, {where}, "
-        f"output {layout.output}"
-    )
-    run = _RunRecord(job, layout, manifest)
+    run = None
     try:
+        where = init_ray(job.ray.address, job.ray.num_cpus)
+        interrupts.install(ray_started=True)  # ray.init (and Ray Train) install their own
+        check_cluster(job)  # refuses in seconds what no node could host
+        check_output_space(job, layout, shard_paths, manifest.get("stages") or {})
+        logger.info(
+            f"ncl-pipeline: job '{job.name}', {len(shard_paths)} shards, {where}, "
+            f"output {layout.output}"
+        )
+        run = _RunRecord(job, layout, manifest)
         _run_stages(job, layout, shard_paths, views, run)
+    except RunInterrupted as exc:
+        raise _interrupted(exc.signum, run) from None
     except (ShardFailuresError, RunConflictError):
         raise
     except Exception as exc:
         from pipeline.config import JobConfigError
 
-        if isinstance(exc, JobConfigError):
+        if interrupts.signum is not None:  # a signal that surfaced as another error
+            raise _interrupted(interrupts.signum, run) from exc
+        if isinstance(exc, JobConfigError) or run is None:
             raise
-        raise explain_failure(exc, run.stage, layout.output) from exc
+        records = run.state.records
+        note = lambda: remaining_space_note(  # noqa: E731
+            job, layout, records, embedded_pairs(run.metrics, shard_paths)
+        )
+        raise explain_failure(exc, run.stage, layout.output, space_note=note) from exc
     return run.metrics
+
+
+def _interrupted(signum: int, run: _RunRecord | None) -> RunInterrupted:
+    """Stop Ray (its workers with it) and name the stage the signal stopped."""
+    import ray
+
+    stage = run.stage if run is not None else "the start-up (before any stage)"
+    logger.debug(f"signal {signum} in {stage}: stopping Ray")
+    if ray.is_initialized():
+        ray.shutdown()
+    return RunInterrupted(signum, stage)
 
 
 def _run_stages(job, layout: RunLayout, shard_paths, views, run: _RunRecord) -> None:

@@ -17,7 +17,8 @@ from pipeline.config import JobConfig
 from pipeline.errors import UserError
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import expand_shard_patterns, shard_name
-from pipeline.io.tables import read_json
+from pipeline.run.lease import LeaseHolder, read_holder
+from pipeline.run.manifest import read_manifest
 from pipeline.run.state import (
     Decision,
     embed_key,
@@ -46,7 +47,7 @@ class Prediction:
 
 
 def _manifest(run_dir: str) -> dict:
-    manifest = read_json(RunLayout(run_dir).manifest)
+    manifest = read_manifest(RunLayout(run_dir), keep_aside=False)
     if not manifest or "job" not in manifest:
         raise RunStatusError(f"{run_dir} is not a run directory: it has no manifest.json")
     return manifest
@@ -108,12 +109,38 @@ def predict_rerun(run_dir: str, job: JobConfig, manifest: dict | None = None) ->
     return Prediction(decisions, len(paths), retried)
 
 
-def _state(record: dict | None, decision: Decision) -> str:
+def _state(record: dict | None, decision: Decision, running: bool = False) -> str:
     if record is None:
         return "pending"
     if record.get("status") != "done":
-        return "pending (interrupted)"
+        return "running" if running else "pending (interrupted)"
     return "done" if decision.reuse else "stale"
+
+
+def _lease_line(run_dir: str, holder: LeaseHolder | None) -> str | None:
+    """What the output's lease says: a run in progress, or one that stopped heartbeating."""
+    if holder is None:
+        return None
+    if holder.live():
+        return f"  running now: {holder.describe()}"
+    return f"  a run held this output and stopped ({holder.describe()}); the next run takes it over"
+
+
+def _damaged_status(run_dir: str, job: JobConfig | None, label: str, holder) -> str:
+    """The status of a run directory whose manifest.json is damaged (warned about already)."""
+    lines = [f"run {run_dir}: manifest.json is damaged; the stage records are lost"]
+    if (line := _lease_line(run_dir, holder)) is not None:
+        lines.append(line)
+    if job is None:
+        lines.append(
+            "  (with --job JOB_FILE, status says what a rerun would reuse: the embeddings "
+            "tables are reused by the keys in their footers)"
+        )
+        return "\n".join(lines)
+    theirs = predict_rerun(run_dir, job, {})
+    lines.append(f"a rerun of {label or 'the given job'} into this directory would:")
+    lines += [f"  {s:<17} {d.describe()}" for s, d in theirs.decisions.items()]
+    return "\n".join(lines)
 
 
 def _took(record: dict | None) -> str:
@@ -130,7 +157,13 @@ def run_status(run_dir: str | os.PathLike, job: JobConfig | None = None, label: 
     from pipeline.reporting.inspect import quarantine_lines
 
     run_dir = os.fspath(run_dir).rstrip("/")
-    manifest = _manifest(run_dir)
+    holder = read_holder(RunLayout(run_dir))
+    manifest = read_manifest(RunLayout(run_dir), keep_aside=False)
+    if manifest == {}:
+        return _damaged_status(run_dir, job, label, holder)
+    if (not manifest or "job" not in manifest) and holder is not None and holder.live():
+        return f"run {run_dir}: starting, no stage has run yet\n{_lease_line(run_dir, holder)}"
+    manifest = _manifest(run_dir) if not manifest or "job" not in manifest else manifest
     try:
         recorded = JobConfig.model_validate(manifest["job"])
     except ValueError as exc:
@@ -142,12 +175,15 @@ def run_status(run_dir: str | os.PathLike, job: JobConfig | None = None, label: 
         f"  {'stage':<17} {'state':<21} {'finished (UTC)':<26} {'took':>8}  rerun of the "
         "recorded job",
     ]
+    running = holder is not None and holder.live()
+    if (line := _lease_line(run_dir, holder)) is not None:
+        lines.insert(1, line)
     for stage, decision in mine.decisions.items():
         record = records.get(stage)
         finished = (record or {}).get("finished_at") or "-"
+        state = _state(record, decision, running)
         lines.append(
-            f"  {stage:<17} {_state(record, decision):<21} {finished:<26} {_took(record):>8}  "
-            f"{decision.describe()}"
+            f"  {stage:<17} {state:<21} {finished:<26} {_took(record):>8}  {decision.describe()}"
         )
     if mine.retried:
         lines.append(

@@ -1,0 +1,84 @@
+"""A tiny job run through the CLI in a subprocess (`python -m pipeline.cli`), for the tests of
+what a user sees when a run is interrupted, refused or finds a damaged run directory: 200
+pairs in 2 shards, a random-init tiny CLIP, one warm-up epoch, no co-teaching round (about a
+minute on 2 cores)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline.data.synthetic import make_corpus
+
+ROOT = Path(__file__).resolve().parents[1]
+
+JOB = """
+name: guards
+input: {{shards: "{corpus}/{{00000..00001}}.tar"}}
+output: {output}
+model: {{name: ncl-tiny, pretrained: null}}
+embed: {{batch_size: 64, gpus_per_worker: 0, cpus_per_worker: 1, decode_threads: 1, concurrency: 1}}
+mixture: {{kind: gmm}}
+labels: {{method: bicro}}
+index: {{factory: Flat, shards: 1}}
+train: {{rounds: 0, warmup_epochs: 1, batch_size: 32, lr: 2.0e-3, lr_warmup_steps: 4,
+         torch_threads: 1}}
+ray: {{address: null, num_cpus: 2}}
+seed: 4
+"""
+
+
+def write_corpus(root: Path) -> Path:
+    make_corpus(
+        root, samples=200, samples_per_shard=100, test_samples=0, val_samples=0, image_size=32
+    )
+    return root
+
+
+def write_job(corpus: Path, output: Path) -> Path:
+    job = output.parent / f"{output.name}.yaml"
+    job.write_text(JOB.format(corpus=corpus, output=output))
+    return job
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pipeline.cli", *args]
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The CLI to its end; stdout and stderr together in `.stdout`."""
+    return subprocess.run(
+        cli(*args),
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def start_cli(log: Path, *args: str) -> subprocess.Popen:
+    """The CLI in the background, its console (stdout and stderr) into `log`."""
+    return subprocess.Popen(
+        cli(*args),
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def wait_for_line(proc: subprocess.Popen, log: Path, text: str, timeout: float = 240) -> None:
+    """Block until `text` appears in the console `log`; fail if the process ends first."""
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text(errors="replace"):
+        if proc.poll() is not None:
+            raise AssertionError(f"ended before {text!r}:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"no {text!r} in {timeout}s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)

@@ -1,0 +1,83 @@
+"""Ctrl-C and SIGTERM during `ncl-pipeline run` (issue 37 item 2): the run stops within
+seconds with one sentence and exit 128 + the signal, keeps its finished stages, leaves no
+lease, and a rerun of the same command finishes (taking over a stale lease, item 1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+
+import psutil
+import pytest
+from cli_job import run_cli, start_cli, wait_for_line, write_corpus, write_job
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.own_ray, pytest.mark.timeout(600)]
+
+SENTENCE = "; finished stages are kept; rerun the same command to resume"
+
+
+def _stop(proc, signum: int, log, within: float = 60) -> tuple[int, float, str]:
+    children = psutil.Process(proc.pid).children(recursive=True)  # Ray's processes
+    started = time.monotonic()
+    proc.send_signal(signum)
+    code = proc.wait(timeout=within)
+    took = time.monotonic() - started
+    gone = psutil.wait_procs(children, timeout=30)[1]
+    assert not gone, f"left running: {[p.name() for p in gone]}"
+    return code, took, log.read_text(errors="replace")
+
+
+def test_ctrl_c_in_the_warm_up_stops_and_a_rerun_finishes(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    output = tmp_path / "run"
+    job = write_job(corpus, output)
+    log = tmp_path / "first.log"
+    proc = start_cli(log, "run", str(job))
+    wait_for_line(proc, log, "train: round 0 (warmup)")
+    time.sleep(2)  # into the training loop
+    code, took, console = _stop(proc, signal.SIGINT, log)
+    assert code == 130, console[-3000:]
+    assert took < 30, took
+    assert f"interrupted in the warm-up (round 0 training){SENTENCE}" in console
+    assert "Traceback" not in console and "Aborted" not in console
+    assert not (output / "_lease.json").exists()
+    stages = json.loads((output / "manifest.json").read_text())["stages"]
+    assert stages["round0/embed"]["status"] == "done"
+    assert stages["round0/warmup"]["status"] == "running"
+    status = run_cli("status", str(output))
+    assert "pending (interrupted)" in status.stdout and "running now" not in status.stdout
+
+    # A stale lease (a holder that stopped heartbeating a minute ago) does not block the rerun.
+    (output / "_lease.json").write_text(
+        json.dumps(
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "started_at": "2030-01-01T00:00:00+00:00",
+                "heartbeat": time.time() - 60,
+                "token": "stale",
+            }
+        )
+    )
+    rerun = run_cli("run", str(job))
+    assert rerun.returncode == 0, rerun.stdout[-3000:]
+    assert "taking over the lease" in rerun.stdout and "stopped heartbeating" in rerun.stdout
+    assert "round0/embed: reused" in rerun.stdout
+    assert len(list((output / "labels").glob("*.parquet"))) == 2
+    assert not (output / "_lease.json").exists()
+
+
+def test_sigterm_in_the_embed_pass_exits_143(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    output = tmp_path / "run"
+    log = tmp_path / "run.log"
+    proc = start_cli(log, "run", str(write_job(corpus, output)))
+    wait_for_line(proc, log, "round0/embed: recomputed")
+    code, took, console = _stop(proc, signal.SIGTERM, log)
+    assert code == 143, console[-3000:]
+    assert took < 30, took
+    assert f"interrupted in the embed pass (round 0){SENTENCE}" in console
+    assert not (output / "_lease.json").exists()
