@@ -7,7 +7,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.core.coteach import TRAINING_TARGETS, Phase, coteach_phase, training_targets
+from pipeline.core.coteach import (
+    TRAINING_TARGETS,
+    Phase,
+    coteach_phase,
+    proxy_image_weights,
+    training_targets,
+)
 from pipeline.core.partition.decisions import CLEAN, NOISY, QUASI_CLEAN
 
 SUBSET = np.array([CLEAN, CLEAN, QUASI_CLEAN, NOISY, NOISY])
@@ -60,6 +66,7 @@ def test_every_label_method_names_a_training_target():
     assert LABEL_METHODS["cosine"].training_target == "weights"
     assert LABEL_METHODS["bicro"].training_target == "bicro"
     assert LABEL_METHODS["sps"].training_target == "sps"
+    assert LABEL_METHODS["assign"].training_target == "rematch"
 
 
 def test_sps_targets_follow_the_schedule():
@@ -80,7 +87,7 @@ def test_sps_targets_follow_the_schedule():
 @given(
     n=st.integers(0, 40),
     seed=st.integers(0, 2**31 - 1),
-    method=st.sampled_from(["bicro", "sps", "weights"]),
+    method=st.sampled_from(TRAINING_TARGETS),
     noisy=st.booleans(),
     quasi=st.booleans(),
 )
@@ -98,6 +105,30 @@ def test_targets_are_bounded_and_permutation_equivariant(n, seed, method, noisy,
     permuted = training_targets(method, phase, subset[perm], label[perm], proxy[perm])
     np.testing.assert_array_equal(permuted.weight, out.weight[perm])
     np.testing.assert_array_equal(permuted.use_proxy, out.use_proxy[perm])
+    assert out.proxy_row.dtype == np.float32 and out.proxy_row.shape == (n,)
+    assert np.all((out.proxy_row >= 0) & (out.proxy_row <= 1))
+    np.testing.assert_array_equal(permuted.proxy_row, out.proxy_row[perm])
+    if method != "rematch":
+        assert not out.proxy_row.any()
+
+
+def test_rematch_targets_weigh_pairs_by_label_and_add_the_rematches():
+    """assign's target: w = label for every pair, as `weights`; a noisy row with y_p > 0 adds
+    a row (its image, the rematched caption) weighing y_p, from the first co-teaching epoch."""
+    proxy = np.array([np.nan, 0.9, np.nan, 0.8, 0.0], dtype=np.float32)
+    assert coteach_phase(0, 4, target="rematch") == Phase(noisy=True, quasi_clean=True)
+    out = training_targets("rematch", Phase(True, True), SUBSET, LABEL, proxy)
+    np.testing.assert_allclose(out.weight, LABEL)
+    # Only the noisy row with a positive proxy label adds one (row 1 is clean: no rematch).
+    np.testing.assert_allclose(out.proxy_row, [0, 0, 0, 0.8, 0])
+    assert not out.use_proxy.any() and not out.reliable.any()
+    plain = training_targets("weights", Phase(True, True), SUBSET, LABEL, proxy)
+    np.testing.assert_array_equal(plain.weight, out.weight)
+    assert not plain.proxy_row.any()
+    assert not training_targets("rematch", Phase(False, True), SUBSET, LABEL, proxy).proxy_row.any()
+    text = np.array([0.7, 0.0, np.nan], dtype=np.float32)
+    np.testing.assert_allclose(proxy_image_weights("rematch", Phase(True, True), text), [0.7, 0, 0])
+    assert not proxy_image_weights("weights", Phase(True, True), text).any()
 
 
 def test_weight_cut_zeroes_labels_at_or_below_it():

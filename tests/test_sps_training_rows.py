@@ -1,8 +1,11 @@
-"""SPS proxy pairs in the trainer's data path (docs/methods.md §10.3): both directions train,
-and rows that share an image or a text source carry the same group ids (no Ray: the Ray Data
-UDF is called directly on real tars and Parquet tables)."""
+"""Proxy pairs in the trainer's data path (docs/methods.md §10.3): SPS's and assign's rematches
+(target rematch) train in both directions, and rows that share an image or a text source carry
+the same group ids (no Ray: the Ray Data UDF is called directly on real tars and Parquet
+tables)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -33,7 +36,7 @@ PROXIES = {  # key -> image_proxy_key, y_p_img, text_proxy_key, y_p_txt
 CAPTION = {k: c for rows in SHARDS.values() for k, c, _ in rows}
 
 
-def _write_run(root) -> tuple[ViewSpec, list[str]]:
+def _write_run(root, target="sps", noisy_label=0.0) -> tuple[ViewSpec, list[str]]:
     paths = []
     for shard, rows in SHARDS.items():
         members = []
@@ -45,7 +48,7 @@ def _write_run(root) -> tuple[ViewSpec, list[str]]:
             {
                 "key": [k for k, _, _ in rows],
                 "soft_label": pa.array(
-                    [1.0 if s == "clean" else 0.0 for *_, s in rows], pa.float32()
+                    [1.0 if s == "clean" else noisy_label for *_, s in rows], pa.float32()
                 ),
                 "subset": [s for *_, s in rows],
             }
@@ -74,7 +77,7 @@ def _write_run(root) -> tuple[ViewSpec, list[str]]:
         init=ModelSpec("ncl-tiny", None, seed=0),
         seed=0,
         labels_dir=str(root / "labels"),
-        target="sps",
+        target=target,
         proxies_dir=str(root / "proxies"),
     )
     return view, paths
@@ -128,3 +131,49 @@ def test_both_proxy_directions_train_and_share_groups(tmp_path):
     # Before the noisy phase neither direction trains.
     early = _rows(view, paths[1], Phase(noisy=False, quasi_clean=True), pairs)
     assert len(early["weight"]) == 2 and early["proxy"].sum() == 0
+
+
+def test_rematch_target_adds_both_directions_beside_the_weighted_pairs(tmp_path):
+    """assign's target: every pair keeps its own row weighing its label; a noisy image with a
+    rematch trains once more with the rematched caption (y_p_img), and the rematched image with
+    the noisy caption (y_p_txt), from the first co-teaching epoch."""
+    from pipeline.core.coteach import coteach_phase
+
+    view, paths = _write_run(tmp_path, target="rematch", noisy_label=0.2)
+    pairs = text_proxy_pairs(view.labels_dir, view.proxies_dir, ("00000", "00001"))
+    _, tokenizer = load_transforms(view.init)
+    tok = {k: tokenizer([c]).numpy()[0] for k, c in CAPTION.items()}
+    phase = coteach_phase(0, 4, target="rematch")
+    assert phase.noisy
+
+    noisy_shard = _rows(view, paths[0], phase, pairs)
+    assert len(noisy_shard["weight"]) == 5  # n0, n1, q0 and the two rematch rows
+    for key, weight in (("n0", 0.2), ("n1", 0.2), ("q0", 1.0)):
+        (own,) = _find(noisy_shard, tok[key])  # each pair's own row stays, weighing its label
+        assert noisy_shard["weight"][own] == np.float32(weight)
+        assert noisy_shard["proxy"][own] == 0 and noisy_shard["reliable"][own] == 0
+        assert noisy_shard["image_group"][own] == noisy_shard["text_group"][own] == source_id(key)
+    rematched = _find(noisy_shard, tok["r1"])  # n0's and n1's images with r1's caption
+    assert sorted(noisy_shard["weight"][rematched].tolist()) == [np.float32(0.6), np.float32(0.8)]
+    assert set(noisy_shard["proxy"][rematched]) == {1}
+    assert set(noisy_shard["text_group"][rematched]) == {source_id("r1")}
+    assert set(noisy_shard["image_group"][rematched]) == {source_id("n0"), source_id("n1")}
+    for i in rematched:  # the added row shows the noisy pair's own image
+        (own,) = [
+            j
+            for j in range(5)
+            if noisy_shard["image_group"][j] == noisy_shard["image_group"][i]
+            and not noisy_shard["proxy"][j]
+        ]
+        np.testing.assert_array_equal(noisy_shard["pixels"][i], noisy_shard["pixels"][own])
+
+    home = _rows(view, paths[1], phase, pairs)
+    assert len(home["weight"]) == 3  # r1, r2 and r1's image with n0's caption
+    (proxy,) = _find(home, tok["n0"])
+    assert home["weight"][proxy] == np.float32(0.7) and home["proxy"][proxy] == 1
+    assert home["image_group"][proxy] == source_id("r1")
+    assert home["text_group"][proxy] == source_id("n0")
+
+    # The weights target reads the same tables and adds nothing.
+    plain = replace(view, target="weights")
+    assert len(_rows(plain, paths[0], phase, pairs)["weight"]) == 3

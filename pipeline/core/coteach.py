@@ -21,6 +21,11 @@ names its target in `pipeline.core.labels.LABEL_METHODS`:
   (`proxy_image_weights`).
 - weights: the label is the weight (RCR's w̃, the cosine baseline's label; vanilla: all 1;
   oracle: ground truth 1/0).
+- rematch (assign): the label is the pair's weight, as `weights`; besides, every noisy pair
+  with a rematch adds training rows, from the first co-teaching epoch: its image with the
+  rematched caption, weighing y_p_img (`TrainingTargets.proxy_row`), and the rematched image
+  with its caption, weighing y_p_txt (`proxy_image_weights`). Its own row stays (L2RM trains
+  the rematched pairs beside the soft-weighted originals).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import numpy as np
 from pipeline.core.partition.decisions import CLEAN, NOISY, QUASI_CLEAN
 
 __all__ = [
+    "PROXY_TARGETS",
     "TRAINING_TARGETS",
     "Phase",
     "TrainingTargets",
@@ -41,7 +47,8 @@ __all__ = [
     "training_targets",
 ]
 
-TRAINING_TARGETS = ("bicro", "sps", "weights")
+TRAINING_TARGETS = ("bicro", "sps", "weights", "rematch")
+PROXY_TARGETS = ("sps", "rematch")  # the targets that train the proxies table's pairs
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,9 @@ class TrainingTargets:
     weight: np.ndarray  # (N,) float32 in [0, 1]: weight of the pair's positive term
     reliable: np.ndarray  # (N,) bool: SPS reliable rows (L_cro / L_met)
     use_proxy: np.ndarray  # (N,) bool: train the image with the SPS proxy caption
+    # (N,) float32 in [0, 1]: weight of an added row, the image with its proxy caption (0: none;
+    # rematch: the row is added, the pair's own row stays)
+    proxy_row: np.ndarray
 
 
 def training_targets(
@@ -107,7 +117,8 @@ def training_targets(
         phase: from `coteach_phase`.
         subset: (N,) int codes CLEAN / QUASI_CLEAN / NOISY (pipeline.core.partition.decisions).
         soft_label: (N,) float labels in [0, 1]; NaN counts as 0.
-        proxy_label: (N,) SPS y_p of the image's proxy caption (NaN/absent = no proxy); sps only.
+        proxy_label: (N,) y_p of the image's proxy caption (NaN/absent = no proxy); sps and
+            rematch only.
         weight_cut: labels at or below it train with weight 0 (BiCro*'s theta, applied here
             when the published label is left uncut).
 
@@ -123,6 +134,10 @@ def training_targets(
         raise ValueError(f"subset must have shape ({n},); got {subset.shape}")
     reliable = np.zeros(n, dtype=bool)
     use_proxy = np.zeros(n, dtype=bool)
+    proxy_row = np.zeros(n, dtype=np.float32)
+    y_p = None
+    if proxy_label is not None and target in PROXY_TARGETS and phase.noisy:
+        y_p = np.clip(np.nan_to_num(np.asarray(proxy_label, np.float32), nan=0.0), 0.0, 1.0)
     weight = np.where(label > weight_cut, label, 0.0).astype(np.float32) if weight_cut else label
     if target == "bicro" and not phase.noisy:
         weight[subset == NOISY] = 0.0
@@ -132,15 +147,22 @@ def training_targets(
         if phase.quasi_clean:
             quasi = subset == QUASI_CLEAN
             weight[quasi] = label[quasi]
-        if phase.noisy and proxy_label is not None:
-            y_p = np.clip(np.nan_to_num(np.asarray(proxy_label, np.float32), nan=0.0), 0.0, 1.0)
+        if y_p is not None:
             use_proxy = (subset == NOISY) & (y_p > 0)
             weight[use_proxy] = y_p[use_proxy]
-    return TrainingTargets(weight=weight.astype(np.float32), reliable=reliable, use_proxy=use_proxy)
+    elif target == "rematch" and y_p is not None:
+        proxy_row = np.where((subset == NOISY) & (y_p > 0), y_p, 0.0).astype(np.float32)
+    return TrainingTargets(
+        weight=weight.astype(np.float32),
+        reliable=reliable,
+        use_proxy=use_proxy,
+        proxy_row=proxy_row,
+    )
 
 
 def proxy_image_weights(target: str, phase: Phase, proxy_label_txt: np.ndarray) -> np.ndarray:
-    """Weights of the SPS text-direction proxy pairs (proxy image Ï, noisy caption T_n).
+    """Weights of the text-direction proxy pairs (proxy image Ï, noisy caption T_n): SPS's, and
+    assign's rematched image (target rematch).
 
     These are extra training rows, one per noisy pair with y_p^t > 0 (docs/methods.md §10.3):
     weight y_p^t from the noisy phase on, 0 (not trained) before it and for other targets.
@@ -154,6 +176,6 @@ def proxy_image_weights(target: str, phase: Phase, proxy_label_txt: np.ndarray) 
         (M,) float32 in [0, 1].
     """
     y_p = np.clip(np.nan_to_num(np.asarray(proxy_label_txt, np.float32), nan=0.0), 0.0, 1.0)
-    if target != "sps" or not phase.noisy:
+    if target not in PROXY_TARGETS or not phase.noisy:
         return np.zeros_like(y_p)
     return y_p

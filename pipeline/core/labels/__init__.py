@@ -87,8 +87,9 @@ LABEL_METHODS: dict[str, LabelMethod] = {
             "Assign score a in [0, 1] (labels.assign.score: share of the pair's transported "
             "mass kept on its own partner, or relative), when computed (labels.v3)",
         ),
-        training_target="weights",
-        proxy_table=True,  # rematch targets; trained only by the sps target so far
+        # Pairs weigh their label; the rematches train as added rows (docs/methods.md §10.3).
+        training_target="rematch",
+        proxy_table=True,  # the rematch targets, in the SPS proxies-table layout
     ),
 }
 

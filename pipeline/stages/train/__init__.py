@@ -23,7 +23,9 @@ Contract:
   turns rows into training targets with `pipeline.core.coteach.training_targets` for the
   epoch's phase (`coteach_phase` over all rounds' epochs, `coteach_epochs`): a per-pair weight
   for weighted InfoNCE (or BiCro's soft margin), SPS's reliable flag (L_cro + L_met on those
-  rows) and SPS's proxy caption in place of a noisy pair's caption. Mixed subsets share one
+  rows), SPS's proxy caption in place of a noisy pair's caption, and the proxy rows added
+  beside the pairs (assign's rematches, both directions; SPS's text direction). Mixed subsets
+  share one
   batch and one optimizer step (the references step once per subset loader); weight-0 pairs
   stay in the batch as negatives. The LR follows one warm-up + cosine over all rounds.
 """

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.core.coteach import Phase, coteach_phase, proxy_image_weights, training_targets
+from pipeline.core.coteach import (
+    PROXY_TARGETS,
+    Phase,
+    coteach_phase,
+    proxy_image_weights,
+    training_targets,
+)
 from pipeline.io.admitted import ShardChangedError, fingerprint_change, read_reference
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import (
@@ -59,9 +65,9 @@ class _ShardLabels:
     row: dict[str, int]  # key -> row
     label: np.ndarray  # (N,) float32
     subset: np.ndarray  # (N,) int8 codes (CLEAN when the table has no subset column)
-    proxy_caption: list[str | None] | None = None  # SPS: the caption paired with the image
+    proxy_caption: list[str | None] | None = None  # SPS, assign: the caption for the image
     proxy_label: np.ndarray | None = None  # (N,) float32 y_p (NaN: no proxy)
-    proxy_key: list[str | None] | None = None  # SPS: the pair the proxy caption comes from
+    proxy_key: list[str | None] | None = None  # SPS, assign: the pair the proxy caption is from
 
 
 def _read_shard_labels(view: ViewSpec, shard: str) -> _ShardLabels | None:
@@ -148,8 +154,9 @@ def text_proxy_pairs(
 
 
 def _text_proxies(spec: TrainSpec, view: ViewSpec, phase: Phase, shards: list[str]) -> dict:
-    """This rank's shards' text-direction proxy rows (empty outside SPS's noisy phase)."""
-    if view.proxies_dir is None or view.labels_dir is None or view.target != "sps":
+    """This rank's shards' text-direction proxy rows (empty outside the noisy phase of a
+    target that trains proxies: sps, rematch)."""
+    if view.proxies_dir is None or view.labels_dir is None or view.target not in PROXY_TARGETS:
         return {}
     if not phase.noisy:
         return {}
@@ -158,11 +165,11 @@ def _text_proxies(spec: TrainSpec, view: ViewSpec, phase: Phase, shards: list[st
     return {shard_name(p): pairs[shard_name(p)] for p in shards if shard_name(p) in pairs}
 
 
-def _targets(
-    view: ViewSpec, phase: Phase, labels: _ShardLabels, keys: list[str]
-) -> tuple[np.ndarray, np.ndarray, list[str | None], list[str | None]]:
-    """(weights, reliable flags, proxy captions or None, their source keys or None) of the
-    shard's samples, in order."""
+def _targets(view: ViewSpec, phase: Phase, labels: _ShardLabels, keys: list[str]):
+    """(weights, reliable flags, proxy captions or None, their source keys or None, added
+    image-direction rows) of the shard's samples, in order. SPS swaps a noisy row's caption for
+    its proxy caption; the rematch target keeps the row and adds (sample, proxy caption,
+    weight, proxy source key) rows."""
     rows = np.array([labels.row[k] for k in keys], dtype=np.int64)
     proxy = labels.proxy_label[rows] if labels.proxy_label is not None else None
     targets = training_targets(
@@ -178,7 +185,16 @@ def _targets(
     for i in np.flatnonzero(targets.use_proxy):
         captions[i] = labels.proxy_caption[rows[i]]
         sources[i] = labels.proxy_key[rows[i]]
-    return targets.weight, targets.reliable, captions, sources
+    added = [
+        (
+            int(i),
+            labels.proxy_caption[rows[i]],
+            float(targets.proxy_row[i]),
+            labels.proxy_key[rows[i]],
+        )
+        for i in np.flatnonzero(targets.proxy_row > 0)
+    ]
+    return targets.weight, targets.reliable, captions, sources, added
 
 
 def source_id(key: str) -> int:
@@ -189,15 +205,19 @@ def source_id(key: str) -> int:
 
 def _shard_rows(view, phase, labels, samples, extras) -> dict:
     """The shard's training rows: one per sample (SPS: a noisy image with its proxy caption),
-    plus SPS's text-direction proxy pairs (a sample's image with a noisy caption T_n)."""
+    plus the proxy rows of the targets that add them: a noisy image with its rematched caption
+    (rematch) and a sample's image with a noisy caption T_n (the text direction: sps, rematch)."""
     keys = [s.key for s in samples]
     n = len(samples)
     if labels is None:
         weights, reliable = np.ones(n, dtype=np.float32), np.zeros(n, dtype=bool)
         proxy_captions: list[str | None] = [None] * n
         proxy_sources: list[str | None] = [None] * n
+        added: list[tuple[int, str, float, str]] = []
     else:
-        weights, reliable, proxy_captions, proxy_sources = _targets(view, phase, labels, keys)
+        weights, reliable, proxy_captions, proxy_sources, added = _targets(
+            view, phase, labels, keys
+        )
     rows = {
         "sample": list(range(n)),
         "caption": [c or s.caption for c, s in zip(proxy_captions, samples, strict=True)],
@@ -207,19 +227,23 @@ def _shard_rows(view, phase, labels, samples, extras) -> dict:
         "image_source": list(keys),
         "text_source": [p or k for p, k in zip(proxy_sources, keys, strict=True)],
     }
+    # Image direction (rematch): the noisy pair's image once more, with its rematched caption.
+    proxy_rows = [(i, caption, w, keys[i], source or keys[i]) for i, caption, w, source in added]
+    # Text direction: the proxy image Ï (a sample of this shard) with the noisy caption T_n.
     where = {k: i for i, k in enumerate(keys)}
     extra_weights = proxy_image_weights(view.target, phase, [e[2] for e in extras])
     for (image_key, caption, _, noisy_key), weight in zip(extras, extra_weights, strict=True):
-        if weight <= 0 or image_key not in where:  # Ï not admitted or not decodable
-            continue
+        if weight > 0 and image_key in where:  # else Ï not admitted or not decodable
+            proxy_rows.append((where[image_key], caption, weight, image_key, noisy_key))
+    for sample, caption, weight, image_source, text_source in proxy_rows:
         for name, value in (
-            ("sample", where[image_key]),
+            ("sample", sample),
             ("caption", caption),
             ("weight", weight),
             ("reliable", False),
             ("proxy", True),
-            ("image_source", image_key),
-            ("text_source", noisy_key),
+            ("image_source", image_source),
+            ("text_source", text_source),
         ):
             rows[name].append(value)
     rows["weight"] = np.asarray(rows["weight"], dtype=np.float32)
