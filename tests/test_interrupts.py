@@ -14,7 +14,16 @@ import psutil
 import pytest
 from cli_job import run_cli, start_cli, wait_for_line, write_corpus, write_job
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.own_ray, pytest.mark.timeout(600)]
+from pipeline.errors import RunInterrupted
+from pipeline.run.interrupts import Interrupts, catch_interrupts
+
+
+def cli_run(test):
+    """The marks of a test that runs the CLI (its own Ray in a subprocess)."""
+    for mark in (pytest.mark.ray, pytest.mark.slow, pytest.mark.own_ray, pytest.mark.timeout(600)):
+        test = mark(test)
+    return test
+
 
 SENTENCE = "; finished stages are kept; rerun the same command to resume"
 
@@ -30,6 +39,34 @@ def _stop(proc, signum: int, log, within: float = 60) -> tuple[int, float, str]:
     return code, took, log.read_text(errors="replace")
 
 
+def test_a_second_signal_exits_at_once(monkeypatch):
+    def _exit(code):
+        raise SystemExit(f"os._exit({code})")
+
+    monkeypatch.setattr(os, "_exit", _exit)
+    interrupts = Interrupts()
+    with pytest.raises(RunInterrupted) as first:
+        interrupts._handle(signal.SIGINT, None)
+    assert first.value.exit_code == 130 and interrupts.signum == signal.SIGINT
+    with pytest.raises(SystemExit, match=r"os\._exit\(143\)"):
+        interrupts._handle(signal.SIGTERM, None)
+
+
+def test_ray_trains_own_sigint_handler_stays_off_while_a_run_holds_them():
+    """Ray Train's `fit()` replaced the SIGINT handler (its handler exits with status 1)."""
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    original = DataParallelTrainer._register_sigint_handler
+    with catch_interrupts() as interrupts:
+        interrupts.install(ray_started=True)
+        ours = signal.getsignal(signal.SIGINT)
+        DataParallelTrainer._register_sigint_handler(None, None)
+        assert signal.getsignal(signal.SIGINT) == ours
+    assert DataParallelTrainer._register_sigint_handler is original
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@cli_run
 def test_ctrl_c_in_the_warm_up_stops_and_a_rerun_finishes(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
     output = tmp_path / "run"
@@ -70,6 +107,7 @@ def test_ctrl_c_in_the_warm_up_stops_and_a_rerun_finishes(tmp_path):
     assert not (output / "_lease.json").exists()
 
 
+@cli_run
 def test_sigterm_in_the_embed_pass_exits_143(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
     output = tmp_path / "run"
