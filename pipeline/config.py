@@ -239,10 +239,24 @@ class LabelsConfig(_Section):
         "GMM posteriors fitted on i2t and on t2i alone (clean only if clean both ways, as RCR's "
         "set C).",
     )
+    loss_negatives: Literal["batch", "competitors"] = Field(
+        "batch",
+        description="Negatives of the InfoNCE the mixture sees: the embed pass's in-batch ones, or "
+        "each pair's loss_competitors nearest captions and images in the corpus (methods §1.7).",
+    )
+    loss_competitors: int = Field(
+        16, ge=1, description="Competitors per direction with loss_negatives: competitors."
+    )
     bicro: BicroLabelsConfig = BicroLabelsConfig()
     rcr: RcrLabelsConfig = RcrLabelsConfig()
     sps: SpsLabelsConfig = SpsLabelsConfig()
     assign: AssignLabelsConfig = AssignLabelsConfig()
+
+    @model_validator(mode="after")
+    def _competitors_need_infonce(self) -> LabelsConfig:
+        if self.loss_negatives == "competitors" and self.loss != "infonce_sum":
+            raise ValueError("labels.loss_negatives: competitors needs labels.loss: infonce_sum")
+        return self
 
 
 class IndexConfig(_Section):

@@ -583,3 +583,48 @@ def test_label_pass_workers_import_no_torch():
         {"torch"},
     )
     assert int(printed[0]) >= 5 and loaded == [], (printed, loaded)
+
+
+# ---------------------------------------------------------------------------------------------
+# labels.loss_negatives: competitors (docs/methods.md §1.7)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_competitor_negatives_need_the_infonce_loss():
+    with pytest.raises(ValueError, match="loss_negatives"):
+        LabelsConfig.model_validate({"loss": "triplet", "loss_negatives": "competitors"})
+    assert LabelsConfig().loss_negatives == "batch"
+
+
+@pytest.mark.ray
+def test_competitor_negatives_feed_the_mixture(tmp_path):
+    """The pass's `loss` is each pair's InfoNCE against its corpus competitors (the core
+    function over in-process stores, whatever the number of index actors), the mixture is fitted
+    on it, and the tables stay readable."""
+    from pipeline.core.losses.competitors import competitor_losses
+    from pipeline.core.search.neighbours import build_local_neighbours
+    from pipeline.io.tables import embedding_matrix
+
+    info = write_blob_run(tmp_path / "run", n=300, shards=3, noise=0.3, partial=0.1, seed=2)
+    info["output"] = str(tmp_path / "run")  # its own run: the pass rewrites mixture_a.json
+    labels = {"method": "cosine", "loss_negatives": "competitors", "loss_competitors": 6}
+    spec = _spec(info, str(tmp_path / "labels"), labels=labels, index={"shards": 2})
+    summary = run_label_pass(spec)
+    assert summary["seconds"]["competitors"] >= 0
+    us, vs = [], []
+    for shard in info["shards"]:
+        table = pq.read_table(spec.embeddings_path(shard))
+        us.append(embedding_matrix(table.column("image_embedding_a")))
+        vs.append(embedding_matrix(table.column("text_embedding_a")))
+    u, v = np.vstack(us), np.vstack(vs)
+    ids = np.arange(len(u), dtype=np.int64)
+    scale = float(pq.read_schema(spec.embeddings_path("00000")).metadata[b"ncl.logit_scale.a"])
+    neighbours = build_local_neighbours([{"ids": ids, "u": u, "v": v}])
+    i2t, t2i = competitor_losses(neighbours, u, v, ids, 6, scale)
+    table = _table(spec.out_dir)  # keys sort like global ids in this fixture
+    np.testing.assert_allclose(table.column("loss").to_numpy(), i2t + t2i, rtol=1e-5)
+    fits = json.loads(Path(info["output"], "rounds/0/mixture_a.json").read_text())["fits"]
+    prob = clean_posterior(MixtureFit.from_dict(fits["bmm"]), (i2t + t2i).astype(np.float32))
+    np.testing.assert_allclose(table.column("clean_prob").to_numpy(), prob, rtol=1e-5, atol=1e-6)
+    assert table.num_rows == len(u)
+    assert len(list(Path(spec.out_dir, "_competitor_loss").glob("*.parquet"))) == 3

@@ -158,3 +158,69 @@ def test_batched_losses_average_the_batchings():
         return float(np.std(draws[0] - draws[1]))
 
     assert spread(16) < 0.5 * spread(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Competitor InfoNCE (labels.loss_negatives: competitors)
+# ---------------------------------------------------------------------------------------------
+
+
+def _brute_competitor_infonce(u, v, k, scale):
+    """Every pair against the k most similar other captions / images of the whole corpus, by
+    exact float64 cosines, ties by id (loops, no search)."""
+    u64, v64 = u.astype(np.float64), v.astype(np.float64)
+    sim = u64 @ v64.T  # (N, N): image r, caption c
+    out = []
+    for i in range(len(u)):
+        others = np.array([j for j in range(len(u)) if j != i])
+        texts = sorted(others, key=lambda j: (-sim[i, j], j))[:k]
+        images = sorted(others, key=lambda j: (-sim[j, i], j))[:k]
+        own = scale * sim[i, i]
+        i2t = np.log(np.exp(scale * np.r_[sim[i, i], sim[i, texts]]).sum()) - own
+        t2i = np.log(np.exp(scale * np.r_[sim[i, i], sim[images, i]]).sum()) - own
+        out.append((i2t, t2i))
+    return np.array(out).T
+
+
+@pytest.mark.parametrize("stores", [1, 3])
+def test_competitor_losses_match_a_brute_force_reference(stores):
+    from pipeline.core.losses.competitors import competitor_losses
+    from pipeline.core.search.neighbours import build_local_neighbours
+
+    rng = np.random.default_rng(8)
+    n, dim, k, scale = 70, 8, 5, 20.0
+    u = rng.standard_normal((n, dim)).astype(np.float32)
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    v = u + 0.8 * rng.standard_normal((n, dim)).astype(np.float32)
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    v[12], u[13] = v[40], u[41]  # exact duplicates of other pairs: ties broken by id
+    ids = np.arange(n, dtype=np.int64)
+    neighbours = build_local_neighbours([{"ids": ids, "u": u, "v": v}], stores=stores)
+    i2t, t2i = competitor_losses(neighbours, u, v, ids, k, scale, query_batch=16)
+    expected_i2t, expected_t2i = _brute_competitor_infonce(u, v, k, scale)
+    np.testing.assert_allclose(i2t, expected_i2t, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(t2i, expected_t2i, rtol=1e-5, atol=1e-5)
+    assert i2t.dtype == np.float32 and np.all(i2t > 0) and np.all(t2i > 0)
+
+
+def test_competitor_losses_edge_cases():
+    """Fewer indexed rows than k: the missing terms are left out; non-finite rows get NaN; a
+    swapped caption costs more against competitors than a correct pair."""
+    from pipeline.core.losses.competitors import competitor_infonce, competitor_losses
+    from pipeline.core.search.neighbours import build_local_neighbours
+
+    u = np.eye(3, 4, dtype=np.float32)
+    v = np.eye(3, 4, dtype=np.float32)
+    v[2] = u[0]  # pair 2's caption describes pair 0's image
+    u_q = np.vstack([u, np.full((1, 4), np.nan, np.float32)])
+    v_q = np.vstack([v, np.zeros((1, 4), np.float32)])
+    ids = np.arange(4, dtype=np.int64)
+    neighbours = build_local_neighbours([{"ids": ids[:3], "u": u, "v": v}])
+    i2t, t2i = competitor_losses(neighbours, u_q, v_q, ids, k=10, logit_scale=10.0)
+    assert np.isnan(i2t[3]) and np.isnan(t2i[3])
+    # Pair 1 against the two other captions: cosines 0 (caption 0) and 0 (caption 2).
+    assert i2t[1] == pytest.approx(np.log(np.exp(10.0) + 2) - 10.0, rel=1e-5)
+    assert t2i[2] > t2i[1] and i2t[0] > i2t[1]  # caption 2 competes for image 0
+    none = np.full((1, 2), -np.inf)
+    alone = competitor_infonce(np.array([0.3]), none, none, 10.0)
+    assert alone[0][0] == 0.0 and alone[1][0] == 0.0

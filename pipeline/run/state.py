@@ -81,6 +81,8 @@ DEPENDS_ON: dict[str, tuple[str, ...]] = {
     "labels": (
         "labels.method",
         "labels.loss",
+        "labels.loss_negatives",
+        "labels.loss_competitors",
         "labels.posterior",
         "labels.{method}",
         "mixture",

@@ -11,6 +11,9 @@ Contract (docs/architecture.md, "The label pass"):
   histograms, counts, a few cut points and metrics, never a per-sample list:
   1. rows and loss ranges; 2. histograms -> BMM/GMM fits; 3. partition counts and the method's
   decisions (radix selects); 4. index rows -> index actors; 5. label tasks.
+  With `labels.loss_negatives: competitors`, between 1 and 2: an index of every pair (the
+  partitioning view), each shard's InfoNCE against its pairs' competitors written to
+  `spec.out_dir/_competitor_loss/<shard>.parquet`, and that loss is what every later step reads.
 """
 
 from __future__ import annotations
@@ -87,6 +90,28 @@ def _fit_mixtures(spec: LabelSpec, shards: list[str], infos: list[dict]) -> dict
         for fit_name in fitted:
             fits[fit_name] = fit_bmm(hist) if fit_name == "bmm" else fit_gmm(hist)
     return fits
+
+
+def _competitor_losses(spec, shards, offsets, infos, dim) -> list[dict]:
+    """Step 1b: an index over every pair, then per shard the competitor InfoNCE (written to
+    `_competitor_loss/`); returns `infos` with the loss ranges of those losses."""
+    import ray
+
+    n_actors = spec.index.shards
+    task = _remote(shard_tasks.competitor_rows_task, num_returns=n_actors)
+    row_refs = [task.remote(spec, s, o, n_actors) for s, o in zip(shards, offsets, strict=True)]
+    if n_actors == 1:
+        row_refs = [[ref] for ref in row_refs]
+    actors: list = []
+    try:
+        actors, sizes = build_index_actors(spec, row_refs, dim)
+        logger.debug(f"labels: competitor index: {sum(sizes)} rows in {len(actors)} actor(s)")
+        neighbours = actor_neighbours(actors)
+        ranges = _map(shard_tasks.competitor_loss_task, spec, shards, offsets, shared=(neighbours,))
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+    return [{**info, "ranges": r} for info, r in zip(infos, ranges, strict=True)]
 
 
 def _decide(spec, shards, offsets, fits_ref) -> tuple[PartitionDecisions, dict]:
@@ -265,6 +290,12 @@ def run_label_pass(spec: LabelSpec) -> dict[str, Any]:
         spec = replace(spec, index=spec.index.model_copy(update={"factory": chosen}))
         logger.debug(f"labels: index.factory auto -> {chosen} for {total:,} pairs")
     clock.step("ranges")
+    if spec.competitors:
+        try:
+            infos = _competitor_losses(spec, shards, offsets, infos, infos[0]["dim"])
+        finally:
+            remove_restore_tables(spec)
+        clock.step("competitors")
     fits = _fit_mixtures(spec, shards, infos)
     mixture = _write_mixture(spec, fits)
     fits_ref = ray.put(fits)

@@ -33,6 +33,8 @@ from pipeline.stages.labels.spec import LabelSpec
 __all__ = [
     "FIT_LOSSES",
     "add_posteriors",
+    "competitor_loss_task",
+    "competitor_rows_task",
     "count_task",
     "histogram_task",
     "index_rows_task",
@@ -61,10 +63,16 @@ def _float_column(table: pa.Table, name: str) -> np.ndarray:
     return table.column(name).to_numpy().astype(np.float32)
 
 
-def _scalars(spec: LabelSpec, table: pa.Table, offset: int) -> ShardScalars:
+def _scalars(spec: LabelSpec, table: pa.Table, offset: int, shard: str | None) -> ShardScalars:
+    """The shard's losses as the mixture sees them: the embed pass's in-batch InfoNCE, or with
+    `labels.loss_negatives: competitors` (and a `shard`) the pass's competitor losses."""
     view = spec.view
-    i2t = _float_column(table, f"loss_i2t_{view}")
-    t2i = _float_column(table, f"loss_t2i_{view}")
+    if spec.competitors and shard is not None:
+        losses = read_table(spec.competitor_loss_path(shard), ["loss_i2t", "loss_t2i"])
+        i2t, t2i = (_float_column(losses, name) for name in ("loss_i2t", "loss_t2i"))
+    else:
+        i2t = _float_column(table, f"loss_i2t_{view}")
+        t2i = _float_column(table, f"loss_t2i_{view}")
     # The InfoNCE sum in float32: the `loss` column holds exactly the value the mixture saw.
     if spec.labels.loss == "triplet":
         loss = _float_column(table, f"loss_triplet_{view}")
@@ -91,7 +99,8 @@ def add_posteriors(spec: LabelSpec, scalars: ShardScalars, fits: dict[str, Mixtu
 def _load_scalars(
     spec: LabelSpec, shard: str, offset: int, fits: dict[str, MixtureFit] | None = None
 ) -> ShardScalars:
-    scalars = _scalars(spec, read_table(spec.embeddings_path(shard), _scalar_columns(spec)), offset)
+    table = read_table(spec.embeddings_path(shard), _scalar_columns(spec))
+    scalars = _scalars(spec, table, offset, shard)
     if fits is not None:
         add_posteriors(spec, scalars, fits)
     return scalars
@@ -120,7 +129,8 @@ def range_task(spec: LabelSpec, shard: str) -> dict[str, Any]:
     if missing:
         raise ValueError(f"{path} lacks the columns {missing}: was that view embedded?")
     metadata = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
-    scalars = _scalars(spec, read_table(path, _scalar_columns(spec)), 0)
+    # The embed pass's losses: with competitor negatives the driver replaces these ranges.
+    scalars = _scalars(spec, read_table(path, _scalar_columns(spec)), 0, None)
     losses = {"loss": scalars.loss, "i2t": scalars.loss_i2t, "t2i": scalars.loss_t2i}
     return {
         "rows": int(scalars.ids.size),
@@ -170,6 +180,47 @@ def select_task(
     return select_round(keys, ids, prefix, fetch)
 
 
+def competitor_rows_task(spec: LabelSpec, shard: str, offset: int, n_stores: int):
+    """Every finite pair of one shard (the partitioning view's vectors), split by owner
+    (id % n_stores): the rows of the competitor index (`labels.loss_negatives: competitors`)."""
+    table = read_table(spec.embeddings_path(shard), _embedding_columns(spec.view))
+    u = embedding_matrix(table.column(f"image_embedding_{spec.view}"))
+    v = embedding_matrix(table.column(f"text_embedding_{spec.view}"))
+    ids = offset + np.arange(table.num_rows, dtype=np.int64)
+    rows = np.flatnonzero(np.isfinite(u).all(axis=1) & np.isfinite(v).all(axis=1))
+    parts = []
+    for owner in range(n_stores):
+        mine = rows[ids[rows] % n_stores == owner]
+        parts.append({"ids": ids[mine], "u": u[mine], "v": v[mine]})
+    return tuple(parts) if n_stores > 1 else parts[0]
+
+
+def competitor_loss_task(spec: LabelSpec, shard: str, offset: int, neighbours) -> dict[str, Any]:
+    """One shard's InfoNCE against its pairs' corpus competitors, written to
+    `spec.competitor_loss_path(shard)`; returns the loss ranges (they replace the embed
+    pass's in `range_task`'s summary)."""
+    from pipeline.core.losses.competitors import competitor_losses
+    from pipeline.io.tables import write_table_atomic
+
+    path = spec.embeddings_path(shard)
+    metadata = {k.decode(): v.decode() for k, v in (read_schema(path).metadata or {}).items()}
+    scale = float(metadata.get(f"ncl.logit_scale.{spec.view}") or 1 / 0.07)
+    table = read_table(path, _embedding_columns(spec.view))
+    u = embedding_matrix(table.column(f"image_embedding_{spec.view}"))
+    v = embedding_matrix(table.column(f"text_embedding_{spec.view}"))
+    ids = offset + np.arange(table.num_rows, dtype=np.int64)
+    k = spec.labels.loss_competitors
+    i2t, t2i = competitor_losses(neighbours, u, v, ids, k, scale, spec.query_batch)
+    schema = pa.schema(
+        [("loss_i2t", pa.float32()), ("loss_t2i", pa.float32())],
+        metadata={"ncl.competitors": str(k), "ncl.logit_scale": repr(scale)},
+    )
+    out = pa.table([pa.array(i2t), pa.array(t2i)], schema=schema)
+    write_table_atomic(out, spec.competitor_loss_path(shard), schema)
+    losses = {"loss": i2t + t2i, "i2t": i2t, "t2i": t2i}
+    return {name: histogram_range(values) for name, values in losses.items()}
+
+
 def index_rows_task(
     spec: LabelSpec,
     shard: str,
@@ -192,7 +243,7 @@ def index_rows_task(
     if hashes_stored:
         columns.append("image_sha256")
     table = read_table(path, _embedding_columns(labelling) + _scalar_columns(spec) + columns)
-    scalars = _scalars(spec, table, offset)
+    scalars = _scalars(spec, table, offset, shard)
     add_posteriors(spec, scalars, fits)
     u = embedding_matrix(table.column(f"image_embedding_{labelling}"))
     v = embedding_matrix(table.column(f"text_embedding_{labelling}"))
@@ -233,7 +284,7 @@ def load_shard(
         + _scalar_columns(spec)
         + (labelling_losses if labelling != view else []),
     )
-    scalars = _scalars(spec, table, offset)
+    scalars = _scalars(spec, table, offset, shard)
     add_posteriors(spec, scalars, fits)
     loss_i2t, loss_t2i = scalars.loss_i2t, scalars.loss_t2i
     if labelling != view:

@@ -76,6 +76,15 @@ class LabelSpec:
     def embeddings_path(self, shard: str) -> str:
         return RunLayout(self.output).embeddings(self.round_index, shard)
 
+    @property
+    def competitors(self) -> bool:
+        """The mixture sees each pair's InfoNCE against its corpus competitors (§1.7)."""
+        return self.labels.loss_negatives == "competitors"
+
+    def competitor_loss_path(self, shard: str) -> str:
+        """The pass's competitor losses of a shard (loss_i2t, loss_t2i; `_`: not a label table)."""
+        return f"{self.out_dir}/_competitor_loss/{shard}.parquet"
+
     def with_labels(self, **changes) -> LabelSpec:
         """A copy with `labels` settings changed (validated): `with_labels(method="rcr")`."""
         from dataclasses import replace
