@@ -117,7 +117,9 @@ def _web_knobs(noise_model: str, knobs: list[str] | None):
             _fail(f"--web takes NAME=VALUE with NAME one of {', '.join(fields)}; got {knob!r}")
         default = getattr(WebNoise(), name)
         try:
-            if isinstance(default, tuple):
+            if isinstance(default, tuple) and all(isinstance(d, str) for d in default):
+                values[name] = tuple(text.split(","))
+            elif isinstance(default, tuple):
                 values[name] = tuple(
                     type(d)(v) for d, v in zip(default, text.split(","), strict=True)
                 )
@@ -158,6 +160,11 @@ def make_corpus_command(
         help="A web-model knob as NAME=VALUE, repeatable (e.g. --web page_swap=0.25); "
         "names as in pipeline.data.web_noise.WebNoise.",
     ),
+    teacher_names: str = typer.Option(
+        None,
+        help="teacher only: the attributes its captions name, comma-separated, with the shape "
+        "(e.g. shape,colour,size: blind to the background too). [default: all four]",
+    ),
 ) -> None:
     """Write the synthetic noisy demo corpus in img2dataset layout, with ground truth."""
     from pipeline.data.synthetic import NOISE_MODELS, make_corpus
@@ -179,6 +186,7 @@ def make_corpus_command(
             corrupt=corrupt,
             noise_model=noise_model,
             web=web,
+            teacher_names=tuple(teacher_names.split(",")) if teacher_names else None,
         )
     except ValueError as exc:
         _fail(str(exc))

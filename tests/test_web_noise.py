@@ -279,6 +279,42 @@ def test_teacher_corpus_is_clean_without_count_or_position(tmp_path):
     assert len({r["caption"].split(" ")[0] for r in rows}) > 3  # several templates
 
 
+def test_a_teacher_blind_to_the_background_never_names_one(tmp_path):
+    """teacher_names narrows the teacher's captions (a scorer with a further blind spot)."""
+    from pipeline.data.scenes import BACKGROUNDS, COLOURS
+
+    summary = make_corpus(
+        tmp_path, noise_model="teacher", samples=60, samples_per_shard=60, test_samples=0,
+        image_size=48, teacher_names=("shape", "colour", "size"),
+    )  # fmt: skip
+    captions = pq.read_table(summary.ground_truth).column("caption").to_pylist()
+    names = re.compile(rf"\b({'|'.join(BACKGROUNDS)}) (background|backdrop)\b|\bbackground\b")
+    assert not any(names.search(c) for c in captions), captions[:5]
+    assert all(any(colour in c for colour in COLOURS) for c in captions)
+    with pytest.raises(ValueError, match="shape"):
+        make_corpus(tmp_path / "x", noise_model="teacher", samples=4, teacher_names=("colour",))
+
+
+def test_pages_fix_only_the_chosen_attributes(tmp_path):
+    """web.page_attributes: pages that never share a colour make page swaps colour-blind."""
+    web = WebNoise(page_attributes=("shape", "background", "size"), page_shared=3)
+    summary = make_corpus(
+        tmp_path, noise_model="web", web=web, samples=300, samples_per_shard=300,
+        test_samples=0, image_size=48,
+    )  # fmt: skip
+    rows = pq.read_table(summary.ground_truth).to_pylist()
+    by_page: dict[int, list[dict]] = {}
+    for row in rows:  # exact duplicates show the image of a row from any page
+        if not row["noise_type"].startswith("dup_"):
+            by_page.setdefault(row["page"], []).append(parse_caption(row["caption"]))
+    for scenes in by_page.values():
+        for attribute in ("shape", "background", "size"):
+            assert len({getattr(s, attribute) for s in scenes}) == 1
+    assert any(len({s.colour for s in scenes}) > 1 for scenes in by_page.values())
+    with pytest.raises(ValueError, match="page_attributes"):
+        WebNoise(page_attributes=("count",)).validate()
+
+
 # ------------------------------------------------------------------------- captions, arguments
 
 

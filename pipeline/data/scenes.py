@@ -40,6 +40,7 @@ __all__ = [
     "SHAPES",
     "SHORT_ATTRIBUTES",
     "SIZES",
+    "TEACHER_NAMES",
     "TEACHER_TEMPLATES",
     "TEMPLATES",
     "Distractor",
@@ -294,8 +295,29 @@ def render_alt_text(caption: str, prefix: Sequence[str], suffix: Sequence[str], 
     )
 
 
-def render_teacher_caption(scene: Scene, template: int = 0) -> str:
-    """A teacher-corpus caption: shape, colour, size, background; never count or position."""
+TEACHER_NAMES: tuple[str, ...] = ("shape", "colour", "size", "background")
+_NAMED_BACKGROUND = (" on {a_bg} background", " against {a_bg} backdrop", ", {bg} background")
+_NAMED_FRAME = ("{obj}{bg}", "photo of {obj}{bg}", "picture: {obj}{bg}")
+
+
+def render_teacher_caption(
+    scene: Scene, template: int = 0, names: Sequence[str] | None = None
+) -> str:
+    """A teacher-corpus caption: shape, colour, size, background; never count or position.
+
+    `names` (a subset of TEACHER_NAMES with the shape) narrows what it names, e.g. a teacher
+    blind to the background as well; None keeps the six TEACHER_TEMPLATES.
+    """
+    if names is not None and set(names) != set(TEACHER_NAMES):
+        if "shape" not in names or not set(names) <= set(TEACHER_NAMES):
+            raise ValueError(f"teacher names must include shape, within {TEACHER_NAMES}: {names}")
+        words = [getattr(scene, a) for a in ("size", "colour", "shape") if a in names]
+        background = _NAMED_BACKGROUND[template % len(_NAMED_BACKGROUND)].format(
+            a_bg=f"{_article(scene.background)} {scene.background}", bg=scene.background
+        )
+        return _NAMED_FRAME[template % len(_NAMED_FRAME)].format(
+            obj=" ".join(words), bg=background if "background" in names else ""
+        )
     return TEACHER_TEMPLATES[template % len(TEACHER_TEMPLATES)].format(
         size=scene.size,
         colour=scene.colour,

@@ -428,7 +428,8 @@ def _web_rows(params: dict, name: str, web: WebNoise | None) -> list[WebSample]:
     offset, split = _SPLITS[name]
     if web is None:  # teacher: the ncr drawing, clean, with captions of its own
         rng = np.random.default_rng([seed, _STREAM_TEACHER, split])
-        rows = draw_teacher_rows(draw_samples(n, per_shard, offset, image_size, rng))
+        names = params.get("teacher_names")
+        rows = draw_teacher_rows(draw_samples(n, per_shard, offset, image_size, rng), names)
     else:
         rng = np.random.default_rng([seed, _STREAM_WEB_PAGES, split])
         rows = draw_pages(n, per_shard, offset, image_size, web, rng, held_out=name != "train")
@@ -558,6 +559,7 @@ def make_corpus(
     val_samples: int = 0,
     noise_model: str = "ncr",
     web: WebNoise | None = None,
+    teacher_names: tuple[str, ...] | None = None,
 ) -> CorpusSummary:
     """Write a noisy synthetic image-text corpus in the img2dataset layout (see module docs).
 
@@ -582,6 +584,8 @@ def make_corpus(
             ground_truth.v2) or ``teacher`` (clean, captions without count or position;
             ground_truth.v2). docs/corpus.md describes them.
         web: the web model's knobs (default ``WebNoise()``); web only.
+        teacher_names: teacher only: the attributes its captions name (a subset of
+            ``TEACHER_NAMES`` with the shape); None: shape, colour, size and background.
 
     Returns:
         A `CorpusSummary` of the paths written and the counts per kind (and per noise type).
@@ -592,6 +596,8 @@ def make_corpus(
             make_corpus did not write.
     """
     web = _check_model(noise_model, noise, partial, web)
+    if teacher_names is not None and noise_model != "teacher":
+        raise ValueError(f"teacher_names applies to noise_model='teacher', not {noise_model!r}")
     noise = 0.4 if noise is None else noise
     partial = 0.1 if partial is None else partial
     _validate(samples, noise, partial, seed, samples_per_shard, test_samples, image_size, corrupt)
@@ -616,6 +622,8 @@ def make_corpus(
         params["noise_model"] = noise_model
         if web is not None:
             params["web"] = asdict(web)
+        if teacher_names is not None:  # absent by default: the default corpus's bytes stay
+            params["teacher_names"] = list(teacher_names)
         rows, shards, held_out = _write_web_corpus(out, params, web)
         summary = _summary(out, [row.sample for row in rows], shards, held_out, params)
         return dataclasses.replace(

@@ -138,7 +138,8 @@ class WebNoise:
 
     page_size_min: int = 4  # images per page, uniform in [min, max]: a product gallery
     page_size_max: int = 8
-    page_shared: int = 3  # attributes fixed per page, from PAGE_ATTRIBUTES; more = harder swaps
+    page_shared: int = 3  # attributes fixed per page, from page_attributes; more = harder swaps
+    page_attributes: tuple[str, ...] = PAGE_ATTRIBUTES  # the attributes a page may fix
     near_dup: float = 0.15  # re-rendered copies of a sibling's scene (clean)
     near_dup_crop: int = 4  # largest crop per side in pixels, then resized back
     near_dup_quality: tuple[int, int] = (60, 95)  # JPEG quality range of a near duplicate
@@ -189,10 +190,16 @@ class WebNoise:
                 "web.page_size_min and web.page_size_max must satisfy 1 <= min <= max, got "
                 f"{self.page_size_min}, {self.page_size_max}"
             )
-        if not 0 <= self.page_shared <= len(PAGE_ATTRIBUTES):
+        unknown = set(self.page_attributes) - set(PAGE_ATTRIBUTES)
+        if unknown or not self.page_attributes:
             raise ValueError(
-                f"web.page_shared must be in [0, {len(PAGE_ATTRIBUTES)}] (shared among "
-                f"{PAGE_ATTRIBUTES}), got {self.page_shared}"
+                f"web.page_attributes must be a non-empty subset of {PAGE_ATTRIBUTES}, got "
+                f"{self.page_attributes}"
+            )
+        if not 0 <= self.page_shared <= len(self.page_attributes):
+            raise ValueError(
+                f"web.page_shared must be in [0, {len(self.page_attributes)}] (shared among "
+                f"{self.page_attributes}), got {self.page_shared}"
             )
         if not 0 <= self.near_dup_crop <= 8:
             raise ValueError(f"web.near_dup_crop must be in [0, 8] px, got {self.near_dup_crop}")
@@ -362,9 +369,10 @@ def draw_pages(
     page = 0
     while len(out) < n:
         size = int(rng.integers(params.page_size_min, params.page_size_max + 1))
-        shared = sorted(rng.choice(len(PAGE_ATTRIBUTES), params.page_shared, replace=False))
+        attributes = params.page_attributes
+        shared = sorted(rng.choice(len(attributes), params.page_shared, replace=False))
         base = _draw_scene(rng, {})
-        page_values = {PAGE_ATTRIBUTES[i]: getattr(base, PAGE_ATTRIBUTES[i]) for i in shared}
+        page_values = {attributes[i]: getattr(base, attributes[i]) for i in shared}
         topic = _topic(base, list(page_values), rng)
         for _ in range(min(size, n - len(out))):
             i = len(out)
@@ -592,11 +600,14 @@ def apply_web_noise(
 # Teacher corpus, rendering, counts
 
 
-def draw_teacher_rows(samples: list[Sample]) -> list[WebSample]:
-    """The teacher corpus's rows: `samples` (clean ``ncr`` draws) with teacher captions."""
+def draw_teacher_rows(
+    samples: list[Sample], names: tuple[str, ...] | None = None
+) -> list[WebSample]:
+    """The teacher corpus's rows: `samples` (clean ``ncr`` draws) with teacher captions that
+    name `names` (None: shape, colour, size and background, in the six teacher templates)."""
     out = []
     for i, sample in enumerate(samples):
-        caption = render_teacher_caption(sample.scene, sample.template)
+        caption = render_teacher_caption(sample.scene, sample.template, names)
         row = dataclasses.replace(sample, noisy_caption=caption)
         out.append(WebSample(row, caption, "clean", "teacher", Look(pixel_row=i), Style("teacher")))
     return out
