@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from pipeline.clients.read import labels_folder
 from pipeline.config import JobConfigError, load_job
 from pipeline.errors import RunFailedError
 from pipeline.io.admitted import ShardReference, fingerprint_change, read_reference
@@ -61,17 +62,22 @@ def _sample_keys(path: Path) -> set[str]:
     return {r.key for r in iter_shard_records(str(path)) if r.key is not None}
 
 
+def _published(out: Path) -> Path:
+    """The generation of labels/ that readers see."""
+    return Path(labels_folder(out)[1])
+
+
 def _account(out: Path, readable: dict[str, set[str]]) -> None:
     """labels/ + quarantine/ hold every sample of every readable shard exactly once."""
     seen_label_keys: set[str] = set()
     for shard, keys in readable.items():
-        labelled = pq.read_table(out / "labels" / f"{shard}.parquet").column("key").to_pylist()
+        labelled = pq.read_table(_published(out) / f"{shard}.parquet").column("key").to_pylist()
         quarantine = pq.read_table(out / "quarantine" / f"{shard}.parquet")
         quarantined = [k for k in quarantine.column("key").to_pylist() if k is not None]
         assert sorted(labelled + quarantined) == sorted(keys), shard
         assert not seen_label_keys & set(labelled), f"a key of {shard} is in two label files"
         seen_label_keys |= set(labelled)
-    assert sorted(p.stem for p in (out / "labels").glob("*.parquet")) == sorted(readable)
+    assert sorted(p.stem for p in _published(out).glob("*.parquet")) == sorted(readable)
 
 
 # ------------------------------------------------------------------------------- fast checks
@@ -172,7 +178,7 @@ def test_broken_shards_are_left_out_and_repeated_keys_kept_once(
     }
     assert len(readable["00005"]) == 30
     _account(out, readable)
-    assert pq.read_metadata(out / "labels" / "00009.parquet").num_rows == 0
+    assert pq.read_metadata(_published(out) / "00009.parquet").num_rows == 0
 
 
 @pytest.mark.ray

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from log_capture import printed_before_timeout
 
+from pipeline.clients.read import labels_folder
 from pipeline.data.synthetic import make_corpus
 
 # The demo takes 3-4.5 min on an idle 2-core machine; on a busy one it took over 10 (two
@@ -72,7 +73,7 @@ def test_demo_job_runs_from_the_cli(tmp_path):
     assert set(metrics["rounds"]["0"]["retrieval"]) == {"A", "B", "A+B"}
     assert "retrieval on the test split" in result.stdout
     assert (out / "report" / "index.html").exists()
-    assert len(list((out / "labels").glob("*.parquet"))) == 4
+    assert len(list(Path(labels_folder(out)[1]).glob("*.parquet"))) == 4
     assert metrics["labels"]["round"] == 3 and metrics["labels"]["samples"] == 2000 - corpus.corrupt
     # What the demo is for: co-teaching improves the labels and the retrieval, round by round.
     rows = metrics["coteaching"]

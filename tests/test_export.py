@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from export_fixtures import truth_labelled_corpus
 
+from pipeline.clients.read import labels_folder
 from pipeline.stages.export.driver import ExportConflictError, ExportSpec, export_run
 
 pytestmark = pytest.mark.ray
@@ -151,7 +152,7 @@ def test_uid_file_is_a_sorted_u8u8_array_and_repeats_by_label(local_ray, corpus,
 
 def test_duckdb_filtered_count_equals_the_exported_count(local_ray, corpus, tmp_path):
     summary = _export(corpus, tmp_path / "keys", format="keys")
-    labels = f"{corpus['run']}/labels/*.parquet"
+    labels = f"{labels_folder(corpus['run'])[1]}/*.parquet"
     (count,) = _duckdb_row(
         f"SELECT count(*) FROM read_parquet('{labels}') "
         f"WHERE soft_label >= {MIN_LABEL} AND subset IN ('clean', 'quasi_clean')"
@@ -246,7 +247,7 @@ def test_published_labels_carry_uid_and_image_sha256(real_run, tmp_path):
     assert rows and all(r["uid"] == uid_of(r["key"]) for r in rows)  # the corpus has no uid
     checked = [r for r in rows if r["key"] in intact]
     assert checked and all(r["image_sha256"] == metas[r["key"]]["sha256"] for r in checked)
-    meta = pq.read_schema(next((real_run["run"] / "labels").glob("*.parquet"))).metadata
+    meta = pq.read_schema(next(Path(labels_folder(real_run["run"])[1]).glob("*.parquet"))).metadata
     assert meta[b"ncl.schema"] == b"labels.v3"
 
     summary = export_run(
@@ -254,7 +255,7 @@ def test_published_labels_carry_uid_and_image_sha256(real_run, tmp_path):
                    min_label=0.3, samples_per_shard=64)
     )  # fmt: skip
     (count,) = _duckdb_row(
-        f"SELECT count(*) FROM read_parquet('{real_run['run']}/labels/*.parquet') "
+        f"SELECT count(*) FROM read_parquet('{labels_folder(real_run['run'])[1]}/*.parquet') "
         "WHERE soft_label >= 0.3 AND subset IN ('clean', 'noisy')"
     )
     assert count == summary["kept"] == len(_read_wds(tmp_path / "o"))

@@ -272,7 +272,7 @@ DRIVER_KILLS = (
     "rounds/0/embeddings/00000.parquet",  # the round-0 embed pass
     "rounds/0/checkpoints/A/resume.pt",  # the warm-up
     "rounds/1/labels_a/0000*.parquet",  # round 1's label pass
-    "labels/0000*.parquet",  # publishing
+    "labels/gen-*/0000*.parquet",  # publishing
 )
 
 

@@ -9,11 +9,13 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 from cli_job import run_cli, start_cli, wait_for_line, write_corpus, write_job
 
+from pipeline.clients.read import labels_folder
 from pipeline.errors import RunInterrupted
 from pipeline.run.interrupts import Interrupts, catch_interrupts
 
@@ -103,7 +105,7 @@ def test_ctrl_c_in_the_warm_up_stops_and_a_rerun_finishes(tmp_path):
     assert rerun.returncode == 0, rerun.stdout[-3000:]
     assert "taking over the lease" in rerun.stdout and "stopped heartbeating" in rerun.stdout
     assert "round0/embed: reused" in rerun.stdout
-    assert len(list((output / "labels").glob("*.parquet"))) == 2
+    assert len(list(Path(labels_folder(output)[1]).glob("*.parquet"))) == 2
     assert not (output / "_lease.json").exists()
 
 

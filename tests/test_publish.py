@@ -109,3 +109,89 @@ def test_reader_accepts_every_version_with_later_columns_null(tmp_path, version)
     for name in LABELS_SCHEMA.names[len(names) :]:
         assert read.column(name).null_count == N, (version, name)
     np.testing.assert_array_equal(read.column("soft_label"), table.column("soft_label"))
+
+
+# ------------------------------------------------------------------ generations of labels/
+
+SHARDS = ("00000", "00001", "00002", "00003")
+
+
+def _views_tagged(root, tag: int) -> dict[str, str]:
+    """Both views' tables of every shard, every row's `round` = `tag`: which publish a row
+    came from."""
+    sources = {}
+    for view, seed in (("a", 1), ("b", 2)):
+        folder = root / f"views-{tag}" / f"labels_{view}"
+        for shard in SHARDS:
+            table = _view_table(LABELS_SCHEMA, seed + tag, view)
+            table = table.set_column(
+                table.schema.get_field_index("round"),
+                table.schema.field("round"),
+                pa.array(np.full(N, tag, np.int16)),
+            )
+            write_table_atomic(table, str(folder / f"{shard}.parquet"), table.schema)
+        sources[view] = str(folder)
+    return sources
+
+
+def _publish_tagged(root, tag: int) -> dict:
+    from pipeline.stages.publish import publish_labels
+
+    return publish_labels(
+        _views_tagged(root, tag), SHARDS, str(root / "run" / "labels"), round_index=1, job_hash="t"
+    )
+
+
+@pytest.mark.ray
+def test_a_reader_during_publishes_sees_one_generation(local_ray, tmp_path):
+    import threading
+
+    _publish_tagged(tmp_path, 1)
+    reads: list[tuple[set, int]] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                table = read_labels(tmp_path / "run").to_table(columns=["key", "round"])
+            except BaseException as error:  # noqa: BLE001 - reported by the test below
+                errors.append(error)
+                return
+            reads.append((set(table.column("round").to_pylist()), table.num_rows))
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    try:
+        for tag in (2, 3, 2, 3):
+            _publish_tagged(tmp_path, tag)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert not errors, errors
+    assert len(reads) > 20
+    mixed = [tags for tags, _ in reads if len(tags) != 1]
+    assert not mixed, f"{len(mixed)} of {len(reads)} reads mixed generations: {mixed[:3]}"
+    assert {rows for _, rows in reads} == {N * len(SHARDS)}
+    assert len({min(tags) for tags, _ in reads}) >= 2  # the reader saw the switches
+    labels = tmp_path / "run" / "labels"
+    # The current generation and the one before it; older ones are gone.
+    assert (labels / "_CURRENT").read_text().strip() == "gen-5"
+    assert sorted(p.name for p in labels.iterdir() if p.is_dir()) == ["gen-4", "gen-5"]
+
+
+@pytest.mark.ray
+def test_a_flat_labels_folder_reads_until_the_next_generations_replace_it(local_ray, tmp_path):
+    labels = tmp_path / "run" / "labels"
+    flat = _view_table(LABELS_SCHEMA, 7, "a")
+    write_table_atomic(flat, str(labels / "00000.parquet"), flat.schema)
+    assert read_labels(tmp_path / "run").count_rows() == N  # an older run's flat layout
+
+    summary = _publish_tagged(tmp_path, 1)
+    assert summary["generation"] == "gen-1"
+    assert set(read_labels(tmp_path / "run").to_table().column("round").to_pylist()) == {1}
+    assert (labels / "00000.parquet").exists()  # the previous labels: kept for one publish
+    _publish_tagged(tmp_path, 2)
+    assert set(read_labels(tmp_path / "run").to_table().column("round").to_pylist()) == {2}
+    assert not list(labels.glob("*.parquet"))
+    assert sorted(p.name for p in labels.iterdir()) == ["_CURRENT", "gen-1", "gen-2"]

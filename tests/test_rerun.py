@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from log_capture import console_output
 
+from pipeline.clients.read import labels_folder
 from pipeline.config import load_job
 from pipeline.run.runner import RunConflictError, run_job
 from pipeline.run.status import predict_rerun
@@ -88,7 +89,7 @@ def _copy(first: Path, tmp_path: Path) -> Path:
 
 
 def _labels(out: Path) -> dict[str, list]:
-    table = pq.read_table(out / "labels").sort_by("key")
+    table = pq.read_table(labels_folder(out)[1]).sort_by("key")
     return {name: table.column(name).to_pylist() for name in ("key", "soft_label")}
 
 
@@ -153,7 +154,7 @@ def test_changed_label_method_keeps_the_warm_up(first, corpus, tmp_path):
         "its input round1/labels_b was recomputed"
     )
     assert (out / "rounds" / "0" / "checkpoints" / "A" / "model.pt").stat().st_mtime_ns == warm
-    table = pq.read_table(out / "labels")
+    table = pq.read_table(labels_folder(out)[1])
     assert table.column("rcr").null_count == 0 and table.column("bicro").null_count == 96
 
 

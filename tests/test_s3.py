@@ -88,9 +88,10 @@ def test_a_job_reads_and_writes_s3(s3_env, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     written = set(fs.find(f"{BUCKET}/run"))
-    for name in ("manifest.json", "metrics.json", "labels/00000.parquet", "report/index.html"):
+    for name in ("manifest.json", "metrics.json", "labels/_CURRENT", "report/index.html"):
         assert f"{BUCKET}/run/{name}" in written, sorted(written)
     assert not (tmp_path / BUCKET).exists()  # nothing written to a local look-alike path
+    assert f"{BUCKET}/run/labels/gen-1/00000.parquet" in written
     assert f"{BUCKET}/run/rounds/0/checkpoints/A/model.pt" in written
     assert not any("/_restore/" in path for path in written)  # index restore tables removed
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from pipeline.clients.read import labels_folder
 from pipeline.data.synthetic import make_corpus
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.own_ray]
@@ -130,7 +131,7 @@ def test_submit_runs_the_demo_job_on_the_cluster(head, tmp_path):
         "00001.parquet",
     ]
     assert len(corpus.shards) == 2
-    assert sorted(p.name for p in (out / "labels").glob("*.parquet")) == [
+    assert sorted(p.name for p in Path(labels_folder(out)[1]).glob("*.parquet")) == [
         "00000.parquet",
         "00001.parquet",
     ]

@@ -2,8 +2,11 @@
 docs/architecture.md §4.4).
 
 Contract: `read_labels(path)` returns a `pyarrow.dataset.Dataset` over one folder of label
-tables, with the explicit (current) `LABELS_SCHEMA`, after checking that every file declares
-one of `READABLE_SCHEMA_NAMES` (`labels.v1`, `v2`, `v3`) as `ncl.schema` in its Parquet metadata.
+tables (for a run, the generation `labels/_CURRENT` names, resolved once, so a publish during
+the read does not mix two runs' rows; an older run's flat `labels/` reads too;
+`pipeline.io.generations`), with the explicit (current) `LABELS_SCHEMA`, after checking that
+every file declares one of `READABLE_SCHEMA_NAMES` (`labels.v1`, `v2`, `v3`) as `ncl.schema` in
+its Parquet metadata.
 An older file reads with the columns later versions appended null (v1: `uid`, `image_sha256`,
 `assign`; v2: `assign`). It reads nothing else: filter, project and
 convert with pyarrow (`.to_table(columns=[...], filter=...)`, `.to_batches()`), or hand the
@@ -17,9 +20,10 @@ import os
 import pyarrow.dataset as ds
 
 from pipeline.errors import UserError
+from pipeline.io.generations import current_generation
 from pipeline.io.labels import LABELS_SCHEMA, READABLE_SCHEMA_NAMES
 
-__all__ = ["LabelTableError", "labels_folder", "labels_folder_url", "read_labels"]
+__all__ = ["LabelTableError", "label_files", "labels_folder", "labels_folder_url", "read_labels"]
 
 
 class LabelTableError(UserError, ValueError):
@@ -46,8 +50,9 @@ def labels_folder(path: str | os.PathLike, view: str | None = None) -> tuple[obj
     """Resolve `path` to (filesystem, folder of label tables).
 
     Accepted: a run directory (its `labels/`), a folder of label tables itself
-    (`labels/`, `rounds/<r>/labels_<view>/`), or a round directory `rounds/<r>` (its
-    `labels_<view>/`; `view` picks one when there are several).
+    (`labels/`, `labels/gen-<n>/`, `rounds/<r>/labels_<view>/`), or a round directory
+    `rounds/<r>` (its `labels_<view>/`; `view` picks one when there are several). A `labels/`
+    with a `_CURRENT` pointer resolves to the generation it names, else to its own tables.
 
     Raises:
         LabelTableError: nothing matching holds label tables.
@@ -55,6 +60,14 @@ def labels_folder(path: str | os.PathLike, view: str | None = None) -> tuple[obj
     fs, root = _fs(os.fspath(path))
     root = root.rstrip("/")
     for candidate in (f"{root}/labels", root):
+        generation = current_generation(fs, candidate)
+        if generation is not None:
+            if not _parquet_files(fs, f"{candidate}/{generation}"):
+                raise LabelTableError(
+                    f"{candidate}/_CURRENT names {generation}, which holds no label tables "
+                    "(removed by hand? rerun the job to publish again)"
+                )
+            return fs, f"{candidate}/{generation}"
         if _parquet_files(fs, candidate):
             return fs, candidate
     if fs.isdir(root):
@@ -84,6 +97,17 @@ def labels_folder_url(path: str | os.PathLike, view: str | None = None) -> str:
     would read as local), the plain path on a local disk."""
     fs, folder = labels_folder(path, view)
     return folder if "file" in fs.protocol else fs.unstrip_protocol(folder)
+
+
+def label_files(path: str | os.PathLike, view: str | None = None) -> dict[str, str]:
+    """{shard: path of its label table} under `path` (`labels_folder`'s rules, resolved once),
+    each path as any fsspec call resolves it (the URL on an object store)."""
+    fs, folder = labels_folder(path, view)
+    local = "file" in fs.protocol
+    return {
+        os.path.basename(p)[: -len(".parquet")]: p if local else fs.unstrip_protocol(p)
+        for p in _parquet_files(fs, folder)
+    }
 
 
 def read_labels(path: str | os.PathLike, *, view: str | None = None) -> ds.Dataset:

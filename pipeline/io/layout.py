@@ -1,8 +1,10 @@
 """The run directory (docs/architecture.md §4.3): one place that names every path a stage
 reads or writes.
 
-Contract paths: `labels/<shard>.parquet`, `quarantine/<shard>.parquet`, `metrics.json`,
-`manifest.json`, `report/`. Everything under `rounds/<r>/` is intermediate and may change.
+Contract paths: `labels/_CURRENT` naming the published generation `labels/gen-<n>/`, which holds
+`<shard>.parquet` (`pipeline.io.generations`; an older run's flat `labels/<shard>.parquet` still
+reads), `quarantine/<shard>.parquet`, `metrics.json`, `manifest.json`, `report/`. Everything under
+`rounds/<r>/` is intermediate and may change.
 `output` may be a local path or an fsspec URL; paths are joined with '/' for both.
 """
 
@@ -10,11 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["STAGE_KEY_META", "RunLayout"]
+__all__ = ["LABELS_POINTER", "LABELS_GENERATION_PREFIX", "STAGE_KEY_META", "RunLayout"]
 
 # Embeddings footer: the run-state key its shard was embedded under (pipeline.run.state), the
 # embed pass's per-shard completion marker.
 STAGE_KEY_META = "ncl.stage_key"
+# labels/: each publish writes a new generation folder gen-<n>/, then switches this pointer (one
+# line naming it) so a reader never sees two runs' rows together (pipeline.io.generations).
+LABELS_POINTER = "_CURRENT"
+LABELS_GENERATION_PREFIX = "gen-"
 
 
 @dataclass(frozen=True)
@@ -50,10 +56,15 @@ class RunLayout:
 
     @property
     def labels_dir(self) -> str:
+        """The published labels' root: its pointer and generation folders."""
         return self._join("labels")
 
-    def labels(self, shard: str) -> str:
-        return self._join("labels", f"{shard}.parquet")
+    @property
+    def labels_pointer(self) -> str:
+        return self._join("labels", LABELS_POINTER)
+
+    def labels_generation(self, number: int) -> str:
+        return self._join("labels", f"{LABELS_GENERATION_PREFIX}{number}")
 
     def round_dir(self, round_index: int) -> str:
         return self._join("rounds", round_index)

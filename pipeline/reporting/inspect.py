@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.io.layout import LABELS_GENERATION_PREFIX
+
 __all__ = ["inspect_run", "label_table_metadata", "quarantine_lines"]
 
 QUANTILES = (0.0, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
@@ -170,8 +172,11 @@ def inspect_run(path: str | os.PathLike, *, view: str | None = None) -> str:
 
 
 def _run_dir_of(folder: str) -> str:
-    """The run directory of a label folder: parent of labels/, or of rounds/<r>/labels_<v>."""
+    """The run directory of a label folder: parent of labels/ (or of labels/gen-<n>), or of
+    rounds/<r>/labels_<v>."""
     parts = folder.rstrip("/").split("/")
     if len(parts) >= 3 and parts[-3] == "rounds":
         return "/".join(parts[:-3])
+    if len(parts) >= 2 and parts[-2] == "labels" and parts[-1].startswith(LABELS_GENERATION_PREFIX):
+        return "/".join(parts[:-2])
     return "/".join(parts[:-1])

@@ -485,8 +485,8 @@ def _publish(job, layout, shard_paths, run: _RunRecord, last: int) -> None:
             job_hash=job.stage_hash(),
             ground_truth=job.eval.ground_truth,
         ),
-        # A half-replaced labels/ would mix two configurations: readers find none instead.
-        clear=lambda: _remove(layout.labels_dir),
+        # No clear: the new labels go to a new generation and replace the old ones in one
+        # switch (pipeline.io.generations), so a reader sees one run's labels, never none.
     )
     run.metrics["labels"] = published
     run.metrics["coteaching"] = coteaching_table(job, run.rounds, published)

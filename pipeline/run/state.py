@@ -482,6 +482,17 @@ def _listing(folder: str) -> set[str]:
     return {entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)}
 
 
+def _published_folder(labels_root: str) -> str:
+    """The generation of `labels/` that readers see (pipeline.io.generations)."""
+    import fsspec
+
+    from pipeline.io.generations import current_labels_folder
+
+    fs, root = fsspec.core.url_to_fs(labels_root)
+    folder = current_labels_folder(fs, root)
+    return folder if "file" in fs.protocol else fs.unstrip_protocol(folder)
+
+
 def outputs_present(layout, node: StageNode, shards: Collection[str]) -> bool:
     """Whether the files a done stage made (and its readers need) are still there."""
     kind, r = node.kind, node.round_index
@@ -493,7 +504,7 @@ def outputs_present(layout, node: StageNode, shards: Collection[str]) -> bool:
         )
     if kind in ("labels", "publish"):
         folder = (
-            layout.labels_dir
+            _published_folder(layout.labels_dir)
             if kind == "publish"
             else layout.labels_round_dir(r, node.stage.rsplit("_", 1)[-1])
         )

@@ -1,10 +1,14 @@
 """Publish stage: the final `labels/` from the last round's two views.
 
 Contract:
-- `publish_labels(sources, out_dir, ...)` reads `rounds/<r>/labels_a/<shard>.parquet` and
+- `publish_labels(sources, shards, out_dir, ...)` reads `rounds/<r>/labels_a/<shard>.parquet` and
   `rounds/<r>/labels_b/<shard>.parquet` (same keys, same order: both come from one embeddings
-  table) and writes `out_dir/<shard>.parquet` in `labels.v3`, one Ray task per shard, so no
-  per-sample data reaches the driver (except the ground-truth quality arrays of the demo).
+  table) and writes `out_dir/gen-<n>/<shard>.parquet` in `labels.v3`, one Ray task per shard, so
+  no per-sample data reaches the driver (except the ground-truth quality arrays of the demo).
+  Only once every table and `_label_pass.json` of the new generation are written does
+  `out_dir/_CURRENT` switch to it (`pipeline.io.generations`): a reader sees the previous
+  run's labels or this run's, never a mix, and the generation folder holds exactly the
+  published shards. The generation before stays until the next publish (readers mid-read).
   How the two views combine (documented in the README):
   - soft_label, clean_prob, loss, cosine and every registered method's score columns
     (`pipeline.core.labels.SCORE_COLUMNS`: bicro, rcr, sps, assign, ...): the mean of the two
@@ -19,7 +23,7 @@ Contract:
     from the tar; for embeddings written before those columns existed, uid is computed from the
     key (`uid_of`) and image_sha256 stays null. A view table that already carries them wins.
   File metadata: view a's, with `ncl.view=a+b`, `ncl.combined=mean`, `ncl.sources` (the two
-  folders) and `ncl.model_id` listing both models. `out_dir/_label_pass.json` (written last)
+  folders) and `ncl.model_id` listing both models. `gen-<n>/_label_pass.json` (written last)
   holds both views' pass summaries and the quality of the combined label.
 """
 
@@ -185,19 +189,6 @@ def combine_shard(
     return summary
 
 
-def _remove_unlisted(out_dir: str, shards) -> None:
-    """Delete label tables an earlier run published for shards this run left out (a shard that
-    failed, changed or vanished since): labels/ holds exactly the published shards."""
-    import fsspec
-
-    fs, _, _ = fsspec.get_fs_token_paths(out_dir)
-    listed = {f"{name}.parquet" for name in shards}
-    for path in fs.glob(f"{out_dir}/*.parquet"):
-        if path.rsplit("/", 1)[-1] not in listed:
-            logger.warning(f"labels: removing {path} (its shard is not part of this run's labels)")
-            fs.rm(path)
-
-
 def publish_labels(
     sources: dict[str, str],
     shards: list[str] | tuple[str, ...],
@@ -213,7 +204,7 @@ def publish_labels(
     Args:
         sources: {view: folder of that view's label tables}, exactly two views.
         shards: shard names to combine (every shard with embedded samples).
-        out_dir: the run's `labels/`.
+        out_dir: the run's `labels/` (the pointer's folder; tables go to a new generation).
         round_index: the round the views come from (recorded in the summary).
         job_hash: recorded in the summary (lineage).
         ground_truth: ground_truth.parquet -> quality of the combined labels.
@@ -221,24 +212,31 @@ def publish_labels(
             `rounds/<r>/embeddings` beside the view folders.
 
     Returns:
-        The summary written to `out_dir/_label_pass.json`.
+        The summary written to `out_dir/gen-<n>/_label_pass.json` (`generation`: its name).
     """
+    import fsspec
     import ray
+
+    from pipeline.io.generations import next_generation, remove_stale_generations, switch_generation
 
     if len(sources) != 2:
         raise ValueError(f"publish_labels combines two views, got {sorted(sources)}")
     started = time.perf_counter()
+    out_dir = out_dir.rstrip("/")
+    fs, root = fsspec.core.url_to_fs(out_dir)
+    generation = next_generation(fs, root)
+    folder = f"{out_dir}/{generation}"
     task = ray.remote(combine_shard).options(num_cpus=1, max_retries=2)
-    refs = [task.remote(s, sources, out_dir, ground_truth, embeddings_dir) for s in shards]
+    refs = [task.remote(s, sources, folder, ground_truth, embeddings_dir) for s in shards]
     results: list = [None] * len(refs)
     with Progress("publish labels", len(refs), "shards", log=logger) as progress:
         for index, result in as_completed(refs):
             results[index] = result
             progress.advance()
-    _remove_unlisted(out_dir, shards)
     views = {view: read_json(f"{folder}/{SUMMARY_NAME}") or {} for view, folder in sources.items()}
     summary = {
         "round": round_index,
+        "generation": generation,
         "view": "+".join(sorted(sources)),
         "combined": "mean",
         "sources": dict(sources),
@@ -252,5 +250,7 @@ def publish_labels(
         "quality": quality_from_parts([r["quality"] for r in results if "quality" in r]),
         "seconds": time.perf_counter() - started,
     }
-    write_json_atomic(summary, f"{out_dir}/{SUMMARY_NAME}")
+    write_json_atomic(summary, f"{folder}/{SUMMARY_NAME}")
+    previous = switch_generation(fs, root, generation)
+    remove_stale_generations(fs, root, generation, previous)
     return summary

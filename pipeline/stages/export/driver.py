@@ -1,7 +1,8 @@
 """Export the cleaned corpus of a run for training: webdataset shards, a DataComp uid file, keys.
 
 Contract (`ncl-pipeline export RUN --out DIR`, issue 12):
-- Kept pairs: the rows of `RUN/labels/*.parquet` (any readable labels.v1, v2 or v3) with
+- Kept pairs: the rows of RUN's published label tables (the generation `labels/_CURRENT` names,
+  or a flat `labels/`; any readable labels.v1, v2 or v3) with
   `soft_label >= min_label` and `subset` in `subsets` (`pipeline.stages.export.tasks.kept_filter`).
 - `wds`: img2dataset-layout tars of the kept pairs, resharded to `samples_per_shard` pairs per
   output shard (the last one holds the rest), named `00000.tar`, `00001.tar`, ... in input
@@ -193,14 +194,11 @@ def shard_names(n: int) -> list[str]:
 
 
 def _label_files(run: str) -> dict[str, str]:
-    """{shard: label table path} of the published tables under `run` (read_labels' rules)."""
-    from pipeline.clients.read import _parquet_files, labels_folder
+    """{shard: label table path} of the published tables under `run` (read_labels' rules: the
+    current generation of labels/, resolved once)."""
+    from pipeline.clients.read import label_files
 
-    fs, folder = labels_folder(run)
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    files = _parquet_files(fs, folder)
-    prefix = "" if protocol in ("file", "local") else f"{protocol}://"
-    return {os.path.basename(p)[: -len(".parquet")]: f"{prefix}{p}" for p in files}
+    return label_files(run)
 
 
 def _file_info(path: str) -> dict[str, Any]:
