@@ -503,9 +503,15 @@ def _summary(
 
 
 def _check_model(
-    noise_model: str, noise: float | None, partial: float | None, web: WebNoise | None
+    noise_model: str,
+    noise: float | None,
+    partial: float | None,
+    web: WebNoise | None,
+    teacher_names: tuple[str, ...] | None,
 ) -> WebNoise | None:
     """The web knobs to use (None unless ``web``); refuse arguments the model does not take."""
+    if teacher_names is not None and noise_model != "teacher":
+        raise ValueError(f"teacher_names applies to noise_model='teacher', not {noise_model!r}")
     if noise_model not in NOISE_MODELS:
         raise ValueError(f"noise_model must be one of {NOISE_MODELS}, got {noise_model!r}")
     if noise_model != "ncr" and (noise is not None or partial is not None):
@@ -584,8 +590,7 @@ def make_corpus(
             ground_truth.v2) or ``teacher`` (clean, captions without count or position;
             ground_truth.v2). docs/corpus.md describes them.
         web: the web model's knobs (default ``WebNoise()``); web only.
-        teacher_names: teacher only: the attributes its captions name (a subset of
-            ``TEACHER_NAMES`` with the shape); None: shape, colour, size and background.
+        teacher_names: teacher only: what its captions name (``TEACHER_NAMES``, the shape).
 
     Returns:
         A `CorpusSummary` of the paths written and the counts per kind (and per noise type).
@@ -595,11 +600,8 @@ def make_corpus(
             argument does not apply to the noise model, or out_dir holds shard files that
             make_corpus did not write.
     """
-    web = _check_model(noise_model, noise, partial, web)
-    if teacher_names is not None and noise_model != "teacher":
-        raise ValueError(f"teacher_names applies to noise_model='teacher', not {noise_model!r}")
-    noise = 0.4 if noise is None else noise
-    partial = 0.1 if partial is None else partial
+    web = _check_model(noise_model, noise, partial, web, teacher_names)
+    noise, partial = 0.4 if noise is None else noise, 0.1 if partial is None else partial
     _validate(samples, noise, partial, seed, samples_per_shard, test_samples, image_size, corrupt)
     _validate(samples, noise, partial, seed, samples_per_shard, val_samples, image_size, corrupt)
     out = Path(out_dir)
@@ -616,18 +618,16 @@ def make_corpus(
         "image_size": image_size,
         "corrupt": corrupt,
     }
-    if noise_model != "ncr":
-        # The ncr metadata (and so its Parquet bytes) stays as it was: no noise_model key.
-        del params["noise"], params["partial"]
-        params["noise_model"] = noise_model
-        if web is not None:
-            params["web"] = asdict(web)
-        if teacher_names is not None:  # absent by default: the default corpus's bytes stay
-            params["teacher_names"] = list(teacher_names)
-        rows, shards, held_out = _write_web_corpus(out, params, web)
-        summary = _summary(out, [row.sample for row in rows], shards, held_out, params)
-        return dataclasses.replace(
-            summary, noise_model=noise_model, noise_type_counts=noise_type_counts(rows)
-        )
-
-    return _write_ncr_corpus(out, params)
+    if noise_model == "ncr":
+        return _write_ncr_corpus(out, params)
+    # The ncr metadata (and so its Parquet bytes) stays as it was: no noise_model key; the
+    # optional knobs are recorded only when given, so a default corpus's bytes stay too.
+    del params["noise"], params["partial"]
+    params["noise_model"] = noise_model
+    params |= {"web": asdict(web)} if web is not None else {}
+    params |= {"teacher_names": list(teacher_names)} if teacher_names is not None else {}
+    rows, shards, held_out = _write_web_corpus(out, params, web)
+    summary = _summary(out, [row.sample for row in rows], shards, held_out, params)
+    return dataclasses.replace(
+        summary, noise_model=noise_model, noise_type_counts=noise_type_counts(rows)
+    )
