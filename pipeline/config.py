@@ -415,6 +415,12 @@ class RayConfig(_Section):
     num_cpus: int | None = Field(
         None, ge=1, description="CPUs for the embedded local Ray (null = all of this machine)."
     )
+    object_store_memory: int | None = Field(
+        None,
+        ge=75 * 1024**2,  # Ray's own minimum (75 MiB)
+        description="Bytes of the embedded local Ray's object store (null = Ray's default, "
+        "30% of memory); when full, objects spill to disk and the labels stay the same.",
+    )
     preflight: bool = Field(
         True,
         description="Before any work, refuse a job whose stages no node can host (it would wait "

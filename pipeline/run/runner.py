@@ -246,7 +246,7 @@ def _run_held(job, layout: RunLayout, shard_paths, views, manifest, interrupts: 
     logger.debug(f"input shards: {shard_paths}")
     run = None
     try:
-        where = init_ray(job.ray.address, job.ray.num_cpus)
+        where = init_ray(job.ray.address, job.ray.num_cpus, job.ray.object_store_memory)
         interrupts.install(ray_started=True)  # ray.init (and Ray Train) install their own
         check_cluster(job)  # refuses in seconds what no node could host
         check_output_space(job, layout, shard_paths, manifest.get("stages") or {})

@@ -61,13 +61,19 @@ def _worker_runtime_env() -> dict:
     return {"worker_process_setup_hook": WORKER_SETUP_HOOK}
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
+def init_ray(
+    address: str | None = None,
+    num_cpus: int | None = None,
+    object_store_memory: int | None = None,
+) -> str:
     """Start (or connect to) Ray once per process.
 
     Args:
         address: None for the embedded local Ray (unless RAY_ADDRESS is set); "auto" or
             "ray://host:10001" for a cluster.
         num_cpus: CPUs of the embedded local Ray; None means all of this machine.
+        object_store_memory: bytes of the embedded local Ray's object store; None means Ray's
+            default. A cluster's store is the cluster's own setting.
 
     Returns:
         A short description of where the job runs, for the log.
@@ -95,6 +101,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         # leaves /tmp/ray/ray_current_cluster, which a bare ray.init() would join).
         address="local",
         num_cpus=num_cpus,
+        object_store_memory=object_store_memory,  # a full store spills objects to disk
         include_dashboard=False,
         log_to_driver=True,
         configure_logging=True,
