@@ -121,3 +121,35 @@ def test_sigterm_in_the_embed_pass_exits_143(tmp_path):
     assert took < 30, took
     assert f"interrupted in the embed pass (round 0){SENTENCE}" in console
     assert not (output / "_lease.json").exists()
+
+
+@cli_run
+def test_a_live_run_is_shown_running_refuses_a_second_and_stops_in_a_label_pass(tmp_path):
+    """Two real runs into one output: while the first embeds, `status` shows it running and a
+    second run is refused in seconds naming it; Ctrl-C in its label pass exits 130."""
+    corpus = write_corpus(tmp_path / "corpus")
+    output = tmp_path / "run"
+    job = write_job(corpus, output)
+    job.write_text(job.read_text().replace("warmup_epochs: 1", "warmup_epochs: 0"))
+    log = tmp_path / "first.log"
+    proc = start_cli(log, "run", str(job))
+    try:
+        wait_for_line(proc, log, "round0/embed: recomputed")
+        status = run_cli("status", str(output), timeout=120)
+        assert f"running now: job 'guards', host {socket.gethostname()}" in status.stdout
+        assert f"pid {proc.pid}" in status.stdout, status.stdout
+        started = time.monotonic()
+        second = run_cli("run", str(job), timeout=120)
+        assert second.returncode == 2, second.stdout
+        assert "is in use by another run" in second.stdout and f"pid {proc.pid}" in second.stdout
+        assert time.monotonic() - started < 30
+        wait_for_line(proc, log, "round1/labels_a: recomputed", timeout=300)
+    except BaseException:
+        proc.kill()
+        raise
+    code, took, console = _stop(proc, signal.SIGINT, log)
+    assert code == 130, console[-3000:]
+    assert took < 30, took
+    assert f"interrupted in the label passes of round 1{SENTENCE}" in console, console[-2000:]
+    assert "Traceback" not in console
+    assert not (output / "_lease.json").exists()
