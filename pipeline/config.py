@@ -21,13 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pipeline.core.labels import LABEL_METHODS
 from pipeline.errors import UserError
 
-__all__ = [
-    "JobConfig",
-    "JobConfigError",
-    "load_job",
-    "parse_overrides",
-    "job_json_schema",
-]
+__all__ = ["JobConfig", "JobConfigError", "load_job", "parse_overrides", "job_json_schema"]
 
 
 class JobConfigError(UserError, ValueError):

@@ -5,16 +5,20 @@ gradient both end by themselves, on the same epoch for both ranks.
 
 The run happens in a child process with its own Ray (4 logical CPUs: two workers plus one
 Ray Data reader each; the session's Ray has 2) under a timeout: a rank left alone in a
-collective hangs rather than fails, and a hang must fail the test.
+collective hangs rather than fails, and a hang must fail the test. While it trains, the child
+records every listening TCP socket of itself and its descendants (Ray's processes, the
+training workers with torch's rendezvous store and gloo): all must be on loopback.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -66,14 +70,50 @@ def _specs(corpus: Path, output: Path):
     return warmup, views
 
 
-def _scenario(corpus: Path, output: Path) -> None:
-    """The child process: its own local Ray, the warm-up, then one co-teaching round."""
-    from pipeline.io.layout import RunLayout
-    from pipeline.models import ModelSpec
+def _listening(found: dict) -> None:
+    """Add every listening TCP socket of this process and its descendants to `found`."""
+    import psutil
+
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            for c in proc.net_connections(kind="tcp"):
+                if c.status == psutil.CONN_LISTEN:
+                    found[f"{c.laddr.ip} {c.laddr.port}"] = " ".join(proc.cmdline()[:3])
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+
+
+def _watch_sockets(found: dict, stop: threading.Event) -> None:
+    while not stop.wait(0.1):
+        _listening(found)
+
+
+def _scenario(corpus: Path, output: Path, sockets: Path) -> None:
+    """The child process: its own local Ray, the warm-up, then one co-teaching round; the
+    listening sockets seen before training and while it ran, into `sockets` (JSON)."""
     from pipeline.runtime.ray import init_ray
-    from pipeline.stages.train import run_training
 
     init_ray(None, num_cpus=4)
+    before: dict = {}
+    _listening(before)
+    during: dict = {}
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch_sockets, args=(during, stop), daemon=True)
+    watcher.start()
+    try:
+        _train(corpus, output)
+    finally:
+        stop.set()
+        watcher.join()
+        sockets.write_text(json.dumps({"before": before, "during": during}))
+
+
+def _train(corpus: Path, output: Path) -> None:
+    from pipeline.io.layout import RunLayout
+    from pipeline.models import ModelSpec
+    from pipeline.stages.train import run_training
+
     warmup, views = _specs(corpus, output)
     run_training(warmup)
     layout = RunLayout(str(output))
@@ -120,9 +160,10 @@ def test_two_workers_share_every_decision_and_end_by_themselves(corpus, tmp_path
 
     path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path)
+    sockets = tmp_path / "sockets.json"
     try:
         done = subprocess.run(
-            [sys.executable, __file__, str(corpus), str(tmp_path / "run")],
+            [sys.executable, __file__, str(corpus), str(tmp_path / "run"), str(sockets)],
             env=env,
             capture_output=True,
             text=True,
@@ -148,7 +189,22 @@ def test_two_workers_share_every_decision_and_end_by_themselves(corpus, tmp_path
         path = layout.model_checkpoint(round_index, "A")
         loaded = load_clip(ModelSpec("ncl-tiny", path, "fp32"), torch.device("cpu"))
         assert loaded.embed_dim > 0
+    # Every port of the run (Ray's and the training's) listens on loopback only.
+    seen = json.loads(sockets.read_text())
+    opened = set(seen["during"]) - set(seen["before"])
+    # The training workers' own (the rendezvous store, gloo), not only Ray's core workers'.
+    assert any(seen["during"][s].startswith("ray::RayTrainWorker") for s in opened), seen
+    exposed = {s: who for s, who in seen["during"].items() if not _is_loopback(s.split(" ")[0])} | {
+        s: who for s, who in seen["before"].items() if not _is_loopback(s.split(" ")[0])
+    }
+    assert not exposed, f"listening beyond loopback: {exposed}"
+
+
+def _is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)  # '::ffff:127.0.0.1' is IPv4 loopback
+    return (mapped or address).is_loopback
 
 
 if __name__ == "__main__":
-    _scenario(Path(sys.argv[1]), Path(sys.argv[2]))
+    _scenario(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))

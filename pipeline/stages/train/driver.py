@@ -34,11 +34,16 @@ def torch_backend_config():
     - A process group is only needed to synchronise several workers, and torch's TCPStore binds
       all interfaces (`::`) whatever MASTER_ADDR says: a local, single-worker run must not open
       a port beyond loopback (`tests/test_embed_pass.py` checks what Ray processes listen on).
+    - Several workers on the embedded local Ray rendezvous through a store bound to 127.0.0.1
+      (`rendezvous.py`; `tests/test_train_two_workers.py` checks every listening socket); on
+      a cluster, Ray Train's torch backend sets the group up as usual.
     """
     from dataclasses import dataclass
 
     from ray.train.backend import Backend, BackendConfig
     from ray.train.v2._internal.util import TrainingFramework
+
+    from pipeline.stages.train.rendezvous import setup_loopback_process_group
 
     def torch_backend():
         from ray.train.torch.config import _TorchBackend
@@ -49,7 +54,9 @@ def torch_backend_config():
         share_cuda_visible_devices = True  # as torch's: a worker sees its node's granted GPUs
 
         def on_start(self, worker_group, backend_config):
-            if len(worker_group) > 1:
+            if len(worker_group) > 1 and not setup_loopback_process_group(
+                worker_group, backend_config
+            ):
                 torch_backend().on_start(worker_group, backend_config)
 
         def on_shutdown(self, worker_group, backend_config):
