@@ -191,8 +191,8 @@ def test_a_shard_deleted_after_the_embed_pass_is_reported_not_mixed(
     corpus = _copy_shards(clean_corpus, tmp_path / "corpus")
     original = keys_stage.run_key_check
 
-    def then_delete(output, shards):
-        result = original(output, shards)
+    def then_delete(output, shards, **kwargs):
+        result = original(output, shards, **kwargs)
         (corpus / "00003.tar").unlink()  # between the embed pass and the next one
         return result
 
@@ -219,8 +219,8 @@ def test_a_shard_changed_in_place_stops_training_with_one_paragraph(
     corpus = _copy_shards(clean_corpus, tmp_path / "corpus")
     original = keys_stage.run_key_check
 
-    def then_touch(output, shards):
-        result = original(output, shards)
+    def then_touch(output, shards, **kwargs):
+        result = original(output, shards, **kwargs)
         data = bytearray((corpus / "00001.tar").read_bytes())
         data[-1] ^= 1  # same size, same samples, other bytes (in the end-of-archive padding)
         (corpus / "00001.tar").write_bytes(bytes(data))

@@ -12,11 +12,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LABELS_POINTER", "LABELS_GENERATION_PREFIX", "STAGE_KEY_META", "RunLayout"]
+__all__ = [
+    "LABELS_POINTER",
+    "LABELS_GENERATION_PREFIX",
+    "RUN_STATE_FIELD",
+    "STAGE_KEY_META",
+    "RunLayout",
+]
 
 # Embeddings footer: the run-state key its shard was embedded under (pipeline.run.state), the
 # embed pass's per-shard completion marker.
 STAGE_KEY_META = "ncl.stage_key"
+# A stage's completion summary (the keys check's `_keys.json`, `train_summary.json`, a label
+# pass's or the published generation's `_label_pass.json`): the run-state key it was computed
+# under ({stage, key, config, inputs}), written with the summary in the stage's last write, so a
+# damaged manifest.json is rebuilt from the outputs (pipeline.run.manifest).
+RUN_STATE_FIELD = "run_state"
 # labels/: each publish writes a new generation folder gen-<n>/, then switches this pointer (one
 # line naming it) so a reader never sees two runs' rows together (pipeline.io.generations).
 LABELS_POINTER = "_CURRENT"
@@ -66,8 +77,17 @@ class RunLayout:
     def labels_generation(self, number: int) -> str:
         return self._join("labels", f"{LABELS_GENERATION_PREFIX}{number}")
 
+    @property
+    def rounds_dir(self) -> str:
+        return self._join("rounds")
+
     def round_dir(self, round_index: int) -> str:
         return self._join("rounds", round_index)
+
+    @property
+    def keys_summary(self) -> str:
+        """The corpus-wide key check's summary (written last by it)."""
+        return self._join("rounds", 0, "_keys.json")
 
     def embeddings_dir(self, round_index: int) -> str:
         return self._join("rounds", round_index, "embeddings")

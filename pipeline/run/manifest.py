@@ -1,12 +1,16 @@
 """Reading `manifest.json`, the run state's record: a damaged file is never fatal.
 
 A manifest that cannot be read as a JSON object (cut short by a full disk, overwritten,
-corrupted) gives one warning and an empty run state. `run_job` keeps the damaged file aside as
-`manifest.json.damaged-<time>` and rebuilds the state from what the outputs record: each
-embeddings table carries its stage key in its footer (`pipeline.run.state.table_keys`), so the
-embed passes reuse every table of the current key; the stages after them are recomputed (their
-outputs do not record the keys they were made under). `ncl-pipeline status` reads the same way
-and changes nothing.
+corrupted) gives one warning and a run state rebuilt from what the outputs themselves record
+(`rebuild_stages`): every stage other than an embed pass writes its run-state key
+(`RUN_STATE_FIELD`: stage, key, config, inputs) into the summary it writes last (the keys
+check's `_keys.json`, `train_summary.json`, a label pass's `_label_pass.json`, the published
+generation's `_label_pass.json`), and each embeddings table carries its shard's key in its
+footer (`pipeline.run.state.table_keys`). The rebuilt records go through the same decisions as
+a manifest's (`pipeline.run.state.decide`): a stage is reused only when its recorded key is the
+key the job computes now and its outputs are there; anything else is recomputed. `run_job` keeps
+the damaged file aside as `manifest.json.damaged-<time>`; `ncl-pipeline status` reads the same
+way and changes nothing.
 """
 
 from __future__ import annotations
@@ -15,13 +19,14 @@ import datetime as _dt
 import json
 import logging
 
-from pipeline.io.layout import RunLayout
+from pipeline.io.layout import RUN_STATE_FIELD, RunLayout
 
-__all__ = ["DAMAGED_SUFFIX", "read_manifest"]
+__all__ = ["DAMAGED_SUFFIX", "REBUILT", "read_manifest", "rebuild_stages"]
 
 logger = logging.getLogger(__name__)
 
 DAMAGED_SUFFIX = ".damaged-"  # manifest.json.damaged-<UTC time>: a damaged manifest kept aside
+REBUILT = "rebuilt_from_outputs"  # set in a manifest rebuilt from the outputs' own records
 
 
 def _load(path: str) -> dict | None:
@@ -46,8 +51,49 @@ def _load(path: str) -> dict | None:
     return manifest
 
 
+def _summaries(layout: RunLayout) -> list[str]:
+    """The summary files that may record a stage's key, in run order."""
+    from pipeline.run.state import _listing, _published_folder
+
+    rounds = sorted(int(name) for name in _listing(layout.rounds_dir) if name.isdigit())
+    paths = [layout.keys_summary]
+    for r in rounds:
+        paths.append(layout.train_summary(r))
+        paths += [f"{layout.labels_round_dir(r, view)}/_label_pass.json" for view in ("a", "b")]
+    paths.append(f"{_published_folder(layout.labels_dir)}/_label_pass.json")
+    return paths
+
+
+def rebuild_stages(layout: RunLayout) -> dict[str, dict]:
+    """The run-state records (manifest.json's `stages`) that the outputs record: one done record
+    per stage summary holding its key; the embed passes are decided by their tables' footers.
+    Unreadable or unkeyed summaries are left out (those stages are recomputed)."""
+    from pipeline.io.tables import read_json
+
+    records: dict[str, dict] = {}
+    for path in _summaries(layout):
+        try:
+            summary = read_json(path)
+        except (ValueError, OSError) as exc:
+            logger.debug(f"{path}: unreadable ({exc}); its stage is recomputed")
+            continue
+        stamp = summary.get(RUN_STATE_FIELD) if isinstance(summary, dict) else None
+        if not isinstance(stamp, dict) or not isinstance(stamp.get("stage"), str):
+            continue
+        records[stamp["stage"]] = {
+            "key": stamp.get("key"),
+            "config": stamp.get("config") or {},
+            "inputs": stamp.get("inputs") or {},
+            "status": "done",
+            "summary": summary,
+            "rebuilt_from": path,
+        }
+    return records
+
+
 def read_manifest(layout: RunLayout, *, keep_aside: bool) -> dict | None:
-    """The run directory's manifest; None when it has none; {} when it is damaged.
+    """The run directory's manifest; None when it has none; when it is damaged, one rebuilt
+    from the outputs: {"stages": rebuild_stages(layout), REBUILT: why it was damaged}.
 
     Args:
         keep_aside: rename a damaged manifest to `manifest.json.damaged-<time>` (a run, which
@@ -58,16 +104,20 @@ def read_manifest(layout: RunLayout, *, keep_aside: bool) -> dict | None:
         return _load(path)
     except (ValueError, OSError) as exc:
         why = str(exc) if isinstance(exc, ValueError) else f"unreadable: {exc}"
-    rebuilt = (
-        "the run state is rebuilt: embeddings whose footers hold their current stage key are "
-        "reused, the other stages are recomputed"
+    stages = rebuild_stages(layout)
+    rebuilt = {"stages": stages, REBUILT: why}
+    how = (
+        f"the run state is rebuilt from what the outputs record ({len(stages)} stage "
+        "summaries and the embeddings tables' footers hold their stage keys): a stage is "
+        "reused when its recorded key is the one this job computes now, the others are "
+        "recomputed"
     )
     if not keep_aside:
         logger.warning(
             f"{path} is damaged ({why}); showing what the outputs record. A rerun keeps the "
-            f"file aside as manifest.json{DAMAGED_SUFFIX}<time> and {rebuilt}."
+            f"file aside as manifest.json{DAMAGED_SUFFIX}<time> and {how}."
         )
-        return {}
+        return rebuilt
     import fsspec
 
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -78,5 +128,5 @@ def read_manifest(layout: RunLayout, *, keep_aside: bool) -> dict | None:
         kept = f"kept aside as {aside}"
     except OSError as error:
         kept = f"could not be kept aside ({error}) and is replaced"
-    logger.warning(f"{path} is damaged ({why}); it is {kept}, and {rebuilt}.")
-    return {}
+    logger.warning(f"{path} is damaged ({why}); it is {kept}, and {how}.")
+    return rebuilt

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+from dataclasses import replace
 from importlib import metadata
 from typing import Any
 
@@ -22,7 +23,7 @@ from pipeline.models import ModelSpec, check_weights_available
 from pipeline.run.failures import explain_failure
 from pipeline.run.interrupts import Interrupts, catch_interrupts
 from pipeline.run.lease import acquire_lease
-from pipeline.run.manifest import read_manifest
+from pipeline.run.manifest import REBUILT, read_manifest
 from pipeline.run.state import (
     RunState,
     embed_key,
@@ -147,6 +148,7 @@ class _RunRecord:
             }
         )
         manifest.pop("stage_hashes", None)  # older run directories; `stages` replaces it
+        manifest.pop(REBUILT, None)  # a damaged manifest's records, rebuilt from the outputs
         stages = manifest.get("stages") or {}
         manifest["stages"] = {k: v for k, v in stages.items() if isinstance(v, dict)}
         manifest["shards"] = {"failed": [], "changed": [], "duplicate_keys": {}}
@@ -188,7 +190,11 @@ class _RunRecord:
         self.write_metrics()
 
     def run_stage(self, stage: str, shard_paths, compute, clear=None) -> dict:
-        """Reuse `stage`'s recorded summary, or clear its old outputs and compute it."""
+        """Reuse `stage`'s recorded summary, or clear its old outputs and compute it.
+
+        `compute(stamp)` runs the stage and writes `stamp` (its key, `StageKey.stamp`) into the
+        summary it writes last, so that a damaged manifest is rebuilt from the outputs.
+        """
         node = self.graph[stage]
         names = [shard_name(p) for p in shard_paths]
         token = shards_token({name: self.shard_keys[name] for name in names})
@@ -203,7 +209,7 @@ class _RunRecord:
         if clear is not None and not decision.resume:
             clear()
         self.state.start(current)
-        summary = compute()
+        summary = compute(current.stamp())
         self.state.finish(stage, summary)
         return summary
 
@@ -339,8 +345,9 @@ def _admit_shards(job, layout: RunLayout, shard_paths, embed: dict, run: _RunRec
             f"run retries them):\n{listing}"
         )
     usable = [p for p in shard_paths if shard_name(p) in sizes]
+    names = [shard_name(p) for p in usable]
     keys = run.run_stage(
-        "round0/keys", usable, lambda: run_key_check(layout.output, [shard_name(p) for p in usable])
+        "round0/keys", usable, lambda stamp: run_key_check(layout.output, names, run_state=stamp)
     )
     run.record(0, "keys", keys)
     run.note_shards("duplicate_keys", keys["by_shard"])
@@ -383,7 +390,7 @@ def _warm_up(job: JobConfig, layout: RunLayout, shard_paths: list[str], run: _Ru
     warmup = run.run_stage(
         "round0/warmup",
         shard_paths,
-        lambda: run_training(warmup_spec(job, layout, shard_paths)),
+        lambda stamp: run_training(replace(warmup_spec(job, layout, shard_paths), run_state=stamp)),
         clear=lambda: _clear_training(layout, 0),
     )
     run.record(0, "train", warmup)
@@ -430,7 +437,7 @@ def _label_passes(job, layout: RunLayout, shard_paths, run: _RunRecord, round_in
         summary = run.run_stage(
             f"round{round_index}/labels_{view}",
             shard_paths,
-            lambda spec=spec: run_label_pass(spec),
+            lambda stamp, spec=spec: run_label_pass(replace(spec, run_state=stamp)),
             clear=lambda stale=stale: _remove(*stale),
         )
         run.record(round_index, f"labels_{view}", summary)
@@ -443,7 +450,11 @@ def _train_round(job, layout, shard_paths, run: _RunRecord, round_index: int, ch
     trained = run.run_stage(
         f"round{round_index}/train",
         shard_paths,
-        lambda: run_training(coteach_spec(job, layout, shard_paths, round_index, checkpoints)),
+        lambda stamp: run_training(
+            replace(
+                coteach_spec(job, layout, shard_paths, round_index, checkpoints), run_state=stamp
+            )
+        ),
         clear=lambda: _clear_training(layout, round_index),
     )
     run.record(round_index, "train", trained)
@@ -477,13 +488,14 @@ def _publish(job, layout, shard_paths, run: _RunRecord, last: int) -> None:
     published = run.run_stage(
         "publish",
         published_paths,
-        lambda: publish_labels(
+        lambda stamp: publish_labels(
             {view: layout.labels_round_dir(last, view) for view in ("a", "b")},
             [shard_name(p) for p in published_paths],
             layout.labels_dir,
             round_index=last,
             job_hash=job.stage_hash(),
             ground_truth=job.eval.ground_truth,
+            run_state=stamp,
         ),
         # No clear: the new labels go to a new generation and replace the old ones in one
         # switch (pipeline.io.generations), so a reader sees one run's labels, never none.

@@ -157,6 +157,16 @@ class StageKey:
     def key(self) -> str:
         return digest({"stage": self.stage, "config": self.config, "inputs": self.inputs})
 
+    def stamp(self) -> dict[str, Any]:
+        """What a stage's summary file records of its key (`RUN_STATE_FIELD`), so that a
+        damaged manifest.json is rebuilt from the outputs (`pipeline.run.manifest`)."""
+        return {
+            "stage": self.stage,
+            "key": self.key,
+            "config": dict(self.config),
+            "inputs": dict(self.inputs),
+        }
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -418,9 +428,7 @@ class RunState:
     def start(self, current: StageKey) -> None:
         """Record that `current` is being computed: its old outputs are no longer valid."""
         self.records[current.stage] = {
-            "key": current.key,
-            "config": dict(current.config),
-            "inputs": dict(current.inputs),
+            **{name: value for name, value in current.stamp().items() if name != "stage"},
             "status": "running",
             "started_at": _now(),
         }

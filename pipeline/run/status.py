@@ -18,7 +18,7 @@ from pipeline.errors import UserError
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import expand_shard_patterns, shard_name
 from pipeline.run.lease import LeaseHolder, read_holder
-from pipeline.run.manifest import read_manifest
+from pipeline.run.manifest import REBUILT, read_manifest
 from pipeline.run.state import (
     Decision,
     embed_key,
@@ -126,18 +126,28 @@ def _lease_line(run_dir: str, holder: LeaseHolder | None) -> str | None:
     return f"  a run held this output and stopped ({holder.describe()}); the next run takes it over"
 
 
-def _damaged_status(run_dir: str, job: JobConfig | None, label: str, holder) -> str:
-    """The status of a run directory whose manifest.json is damaged (warned about already)."""
-    lines = [f"run {run_dir}: manifest.json is damaged; the stage records are lost"]
+def _damaged_status(run_dir: str, job: JobConfig | None, label: str, holder, rebuilt) -> str:
+    """The status of a run directory whose manifest.json is damaged (warned about already):
+    the stage records `rebuilt` from the outputs (`pipeline.run.manifest.rebuild_stages`)."""
+    records = rebuilt.get("stages") or {}
+    lines = [
+        f"run {run_dir}: manifest.json is damaged; the stage records are rebuilt from the "
+        f"outputs ({len(records)} stage summaries hold their keys)"
+    ]
     if (line := _lease_line(run_dir, holder)) is not None:
         lines.append(line)
+    lines += [
+        f"  {stage:<17} done (recorded in {record['rebuilt_from']})"
+        for stage, record in records.items()
+    ]
     if job is None:
         lines.append(
-            "  (with --job JOB_FILE, status says what a rerun would reuse: the embeddings "
-            "tables are reused by the keys in their footers)"
+            "  (with --job JOB_FILE, status says what a rerun would reuse: the stages above "
+            "whose keys it computes again, and the embeddings tables by the keys in their "
+            "footers)"
         )
         return "\n".join(lines)
-    theirs = predict_rerun(run_dir, job, {})
+    theirs = predict_rerun(run_dir, job, rebuilt)
     lines.append(f"a rerun of {label or 'the given job'} into this directory would:")
     lines += [f"  {s:<17} {d.describe()}" for s, d in theirs.decisions.items()]
     return "\n".join(lines)
@@ -159,8 +169,8 @@ def run_status(run_dir: str | os.PathLike, job: JobConfig | None = None, label: 
     run_dir = os.fspath(run_dir).rstrip("/")
     holder = read_holder(RunLayout(run_dir))
     manifest = read_manifest(RunLayout(run_dir), keep_aside=False)
-    if manifest == {}:
-        return _damaged_status(run_dir, job, label, holder)
+    if manifest is not None and REBUILT in manifest:
+        return _damaged_status(run_dir, job, label, holder, manifest)
     if (not manifest or "job" not in manifest) and holder is not None and holder.live():
         return f"run {run_dir}: starting, no stage has run yet\n{_lease_line(run_dir, holder)}"
     manifest = _manifest(run_dir) if not manifest or "job" not in manifest else manifest

@@ -33,8 +33,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.io.layout import RunLayout
-from pipeline.io.tables import QUARANTINE_SCHEMA, file_exists, write_table_atomic
+from pipeline.io.layout import RUN_STATE_FIELD, RunLayout
+from pipeline.io.tables import (
+    QUARANTINE_SCHEMA,
+    file_exists,
+    remove_path,
+    write_json_atomic,
+    write_table_atomic,
+)
 
 __all__ = ["KEYS_PER_PARTITION", "partitions_for", "run_key_check"]
 
@@ -150,16 +156,30 @@ def _drop_losers(output: str, shard: str, shard_index: int, names: list[str], *l
     return len(keys)
 
 
-def run_key_check(output: str, shards: list[str]) -> dict:
+def run_key_check(output: str, shards: list[str], run_state: dict | None = None) -> dict:
     """Quarantine corpus-wide duplicate keys among `shards` (names with round-0 embeddings).
+
+    Args:
+        run_state: the run-state key of the check; with it, the summary is written last to
+            `rounds/0/_keys.json` with the key (`pipeline.io.layout.RUN_STATE_FIELD`).
 
     Returns {"duplicates": n, "by_shard": {shard: n}, "partitions": P}.
     """
+    layout = RunLayout(output)
+    if run_state is not None:
+        remove_path(layout.keys_summary)  # an earlier check's; this one's is written last
+    summary = _key_check(layout, sorted(shards))
+    if run_state is not None:
+        summary[RUN_STATE_FIELD] = run_state
+        write_json_atomic(summary, layout.keys_summary)
+    return summary
+
+
+def _key_check(layout: RunLayout, names: list[str]) -> dict:
     import pyarrow.parquet as pq
     import ray
 
-    layout = RunLayout(output)
-    names = sorted(shards)
+    output = layout.output
     if not names:
         return {"duplicates": 0, "by_shard": {}, "partitions": 0}
     paths = [layout.embeddings(0, name) for name in names]

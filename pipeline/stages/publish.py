@@ -40,6 +40,7 @@ import pyarrow as pa
 from pipeline.core.labels import SCORE_COLUMNS
 from pipeline.io.ground_truth import quality_arrays, quality_from_parts
 from pipeline.io.labels import LABELS_SCHEMA, LABELS_SCHEMA_NAME, SUBSET_VALUES, uid_of
+from pipeline.io.layout import RUN_STATE_FIELD
 from pipeline.io.tables import read_json, read_table, write_json_atomic, write_table_atomic
 from pipeline.runtime.progress import Progress, as_completed
 
@@ -198,6 +199,7 @@ def publish_labels(
     job_hash: str,
     ground_truth: str | None = None,
     embeddings_dir: str | None = None,
+    run_state: dict | None = None,
 ) -> dict[str, Any]:
     """Write the final label tables from two views' tables of one round.
 
@@ -210,6 +212,8 @@ def publish_labels(
         ground_truth: ground_truth.parquet -> quality of the combined labels.
         embeddings_dir: the round's embeddings folder (uid, image_sha256); default
             `rounds/<r>/embeddings` beside the view folders.
+        run_state: the run-state key of the publish stage, recorded in the summary
+            (`pipeline.io.layout.RUN_STATE_FIELD`); None outside a run.
 
     Returns:
         The summary written to `out_dir/gen-<n>/_label_pass.json` (`generation`: its name).
@@ -250,6 +254,8 @@ def publish_labels(
         "quality": quality_from_parts([r["quality"] for r in results if "quality" in r]),
         "seconds": time.perf_counter() - started,
     }
+    if run_state is not None:
+        summary[RUN_STATE_FIELD] = run_state
     write_json_atomic(summary, f"{folder}/{SUMMARY_NAME}")
     previous = switch_generation(fs, root, generation)
     remove_stale_generations(fs, root, generation, previous)

@@ -33,7 +33,7 @@ from pipeline.core.partition.select import radix_select
 from pipeline.core.search.index_factory import auto_factory
 from pipeline.io.ground_truth import quality_from_parts
 from pipeline.io.labels import SUBSET_VALUES
-from pipeline.io.layout import RunLayout
+from pipeline.io.layout import RUN_STATE_FIELD, RunLayout
 from pipeline.io.tables import file_exists, write_json_atomic
 from pipeline.stages.labels import shard_tasks
 from pipeline.stages.labels.index_actors import (
@@ -322,6 +322,8 @@ def run_label_pass(spec: LabelSpec) -> dict[str, Any]:
     summary = _summary(spec, shards, missing, total, results, fits, partition, index_info)
     summary["model_id"] = context["model_id"]
     summary["seconds"] = {**clock.seconds, "total": sum(clock.seconds.values())}
+    if spec.run_state is not None:
+        summary[RUN_STATE_FIELD] = spec.run_state
     write_json_atomic(summary, f"{spec.out_dir}/{SUMMARY_NAME}")
     subsets = summary["subsets"]
     auroc = ((summary["quality"] or {}).get(spec.labels.method) or {}).get("auroc")

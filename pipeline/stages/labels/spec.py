@@ -40,6 +40,9 @@ class LabelSpec:
     # its embeddings and losses while `view` partitions (docs/methods.md §7.4). None: `view`.
     trainee_view: str | None = None
     write_index: bool = True  # persist the FAISS shards under rounds/<r>/index_<view>/
+    # The run-state key this pass is computed under, recorded in `_label_pass.json`
+    # (`pipeline.io.layout.RUN_STATE_FIELD`); None outside a run.
+    run_state: dict | None = None
 
     def __post_init__(self) -> None:
         if not self.shards:

@@ -25,7 +25,7 @@ from pipeline.core.schedule import WarmupState, cosine_lr, update_warmup
 from pipeline.errors import root_cause
 from pipeline.io.admitted import ShardChangedError
 from pipeline.io.checkpoints import load_torch, save_torch_atomic
-from pipeline.io.layout import RunLayout
+from pipeline.io.layout import RUN_STATE_FIELD, RunLayout
 from pipeline.io.tables import read_json, write_json_atomic
 from pipeline.models import load_clip
 from pipeline.runtime.devices import GpuUnusableError
@@ -498,4 +498,6 @@ def _finish(spec: TrainSpec, trainers: list[_ViewTrainer]) -> None:
 
         summary["retrieval"] = evaluate_models({t.view.name: t.loaded for t in trainers}, test_set)
         summary["retrieval_test_pairs"] = test_set.n_texts
+    if spec.run_state is not None:
+        summary[RUN_STATE_FIELD] = spec.run_state
     write_json_atomic(summary, layout.train_summary(spec.round_index))

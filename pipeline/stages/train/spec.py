@@ -51,3 +51,6 @@ class TrainSpec:
     # one LR curve over every round; (0, 0) = this run alone.
     coteach_epochs: tuple[int, int] = (0, 0)
     fail_after_steps: int | None = None  # fault injection for the resume test only
+    # The run-state key this training is computed under, recorded in train_summary.json
+    # (`pipeline.io.layout.RUN_STATE_FIELD`); None outside a run.
+    run_state: dict | None = None
