@@ -1,34 +1,57 @@
 """A damaged manifest.json is never fatal (issue 37 item 3): `run` warns once, keeps the file
-aside, rebuilds the run state (embeddings reused by their footers) and finishes; `status`
-warns and reads what it can, changing nothing."""
+aside, rebuilds the run state from what the outputs record (embeddings by their footers, every
+other stage by the key in its summary) and reuses every finished stage whose key is current;
+`status` warns and reads the same, changing nothing."""
 
 from __future__ import annotations
 
 import json
 
+import pyarrow.parquet as pq
 import pytest
 from cli_job import run_cli, write_corpus, write_job
 
 from pipeline.io.layout import RunLayout
-from pipeline.run.manifest import read_manifest
+from pipeline.run.manifest import REBUILT, read_manifest
 
 NO_WARMUP = ("--set", "train.warmup_epochs=0")  # embed, keys, labels, publish: ~40 s
+ONE_ROUND = ("--set", "train.rounds=1", "--set", "train.epochs_per_round=1")
+EVERY_STAGE = (  # of the job with ONE_ROUND: each kind of stage summary
+    "round0/embed",
+    "round0/keys",
+    "round0/warmup",
+    "round1/embed",
+    "round1/labels_a",
+    "round1/labels_b",
+    "round1/train",
+    "round2/embed",
+    "round2/labels_a",
+    "round2/labels_b",
+    "publish",
+)
+
+
+def _published(output) -> dict:
+    """{file: rows} of the published generation (`labels/_CURRENT`)."""
+    folder = output / "labels" / (output / "labels" / "_CURRENT").read_text().strip()
+    return {p.name: pq.read_table(p).to_pylist() for p in sorted(folder.glob("*.parquet"))}
 
 
 def test_read_manifest_keeps_a_damaged_file_aside_only_when_asked(tmp_path, caplog):
     layout = RunLayout(str(tmp_path))
     assert read_manifest(layout, keep_aside=True) is None  # no manifest: a new run directory
     (tmp_path / "manifest.json").write_text('{"job_name": "x", "stages": {"round0/em')
+    rebuilt = {"stages": {}, REBUILT: "not valid JSON (Unterminated string starting at at line 1)"}
     with caplog.at_level("WARNING", logger="pipeline"):
-        assert read_manifest(layout, keep_aside=False) == {}
+        assert read_manifest(layout, keep_aside=False) == rebuilt
         assert (tmp_path / "manifest.json").exists()
-        assert read_manifest(layout, keep_aside=True) == {}
+        assert read_manifest(layout, keep_aside=True) == rebuilt
     assert not (tmp_path / "manifest.json").exists()
     assert len(list(tmp_path.glob("manifest.json.damaged-*"))) == 1
     assert caplog.text.count("is damaged (not valid JSON") == 2
     for garbage in (b"\xff\xfe\x00garbage", b"[1, 2]", b'{"stages": [1]}'):
         (tmp_path / "manifest.json").write_bytes(garbage)
-        assert read_manifest(layout, keep_aside=False) == {}
+        assert read_manifest(layout, keep_aside=False)["stages"] == {}
 
 
 @pytest.mark.ray
@@ -49,7 +72,7 @@ def test_run_and_status_survive_a_truncated_or_garbage_manifest(tmp_path):
     assert status.returncode == 0, status.stdout
     assert "Traceback" not in status.stdout
     assert status.stdout.count("is damaged (not valid JSON") == 1
-    assert "manifest.json is damaged; the stage records are lost" in status.stdout
+    assert "manifest.json is damaged; the stage records are rebuilt" in status.stdout
     assert manifest.read_text() == text[: len(text) // 2]  # read-only
 
     rerun = run_cli("run", str(job), *NO_WARMUP)
@@ -68,3 +91,46 @@ def test_run_and_status_survive_a_truncated_or_garbage_manifest(tmp_path):
     assert status.returncode == 0, status.stdout
     assert "Traceback" not in status.stdout and "is damaged (not UTF-8" in status.stdout
     assert "round0/embed      reused" in status.stdout
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.own_ray
+@pytest.mark.timeout(900)
+def test_a_rerun_after_a_truncated_manifest_reuses_every_finished_stage(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    output = tmp_path / "run"
+    job = write_job(corpus, output)
+    first = run_cli("run", str(job), *ONE_ROUND, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:]
+    labels = _published(output)
+    manifest = output / "manifest.json"
+    text = manifest.read_text()
+    manifest.write_text(text[: len(text) // 3])
+
+    status = run_cli("status", str(output), "--job", str(job), *ONE_ROUND)
+    assert status.returncode == 0 and "Traceback" not in status.stdout, status.stdout
+    assert "8 stage summaries hold their keys" in status.stdout
+    assert all(f"{stage:<17} reused" in status.stdout for stage in EVERY_STAGE), status.stdout
+
+    rerun = run_cli("run", str(job), *ONE_ROUND, timeout=600)
+    assert rerun.returncode == 0 and "Traceback" not in rerun.stdout, rerun.stdout[-3000:]
+    assert rerun.stdout.count("is damaged (not valid JSON") == 1
+    missing = [stage for stage in EVERY_STAGE if f"{stage}: reused" not in rerun.stdout]
+    assert not missing and "recomputed because" not in rerun.stdout, rerun.stdout[-3000:]
+    assert _published(output) == labels
+    stages = json.loads(manifest.read_text())["stages"]
+    assert sorted(stages) == sorted(EVERY_STAGE)
+    assert all(record["status"] == "done" for record in stages.values())
+
+    # A changed config after the damage still recomputes what it changes, from the records
+    # the outputs hold (the co-teaching round trains longer; the warm-up does not change).
+    manifest.write_bytes(b"\x00\xff garbage")
+    longer = ("--set", "train.rounds=1", "--set", "train.epochs_per_round=2")
+    changed = run_cli("run", str(job), *longer, timeout=600)
+    assert changed.returncode == 0 and "Traceback" not in changed.stdout, changed.stdout[-3000:]
+    assert "round1/train: recomputed because train.epochs_per_round changed" in changed.stdout
+    for stage in EVERY_STAGE[:6]:
+        assert f"{stage}: reused" in changed.stdout, changed.stdout[-3000:]
+    for stage in EVERY_STAGE[7:]:
+        assert f"{stage}: recomputed because" in changed.stdout, changed.stdout[-3000:]
