@@ -13,6 +13,12 @@ Prints one JSON line per size and method, then the bars of issue 11 (BENCHMARKS.
 
     python benchmarks/scale.py                       # 10k, 100k, 1M (about an hour on 2 CPUs)
     python benchmarks/scale.py --sizes 10000 100000  # minutes
+
+Many shards (issue 37 item 7): the same number of pairs in --many-shards tiny shards and in
+--few-shards large ones, each embedded and labelled (bicro) in its own driver process, side by
+side; one JSON line per layout (seconds, driver peak RSS) and the per-shard overhead:
+
+    python benchmarks/scale.py --many-shards 1000 --many-pairs 2000   # minutes on 2 CPUs
 """
 
 from __future__ import annotations
@@ -114,8 +120,15 @@ def main() -> None:
     parser.add_argument(
         "--search-threads", type=int, default=2, help="index.search_threads of the label passes"
     )
+    parser.add_argument("--many-shards", type=int, help="measure N tiny shards vs few large")
+    parser.add_argument("--many-pairs", type=int, default=2000, help="pairs of both layouts")
+    parser.add_argument("--few-shards", type=int, default=2, help="shards of the large layout")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # child: one size
+    parser.add_argument("--one-layout", help=argparse.SUPPRESS)  # child: one shard layout
     args = parser.parse_args()
+    if args.many_shards or args.one_layout:
+        many_shards(args)
+        return
 
     sizes = sorted(set(args.sizes))
     corpus = Path(args.corpus)
@@ -157,6 +170,55 @@ def main() -> None:
                 driver_peak_rss_mb=round(figures["driver_peak_rss_mb"]),
             )
     _bars(sizes, results, args.methods)
+
+
+def many_shards(args) -> None:
+    """The same pairs in many tiny shards and in a few large ones, side by side."""
+    layouts = {"few": args.few_shards, "many": args.many_shards}
+    if args.one_layout:  # child: one layout, in a process of its own (its own peak RSS)
+        shards = sorted(str(p) for p in Path(args.corpus, args.one_layout).glob("[0-9]*.tar"))
+        out = f"{args.out}/shards_{args.one_layout}"
+        shutil.rmtree(out, ignore_errors=True)
+        figures = run_one(shards, out, args.methods, args.cpus, args.search_threads)
+        print(json.dumps({"shards": len(shards), **figures}), flush=True)
+        return
+    results = {}
+    for name, count in layouts.items():
+        per_shard = -(-args.many_pairs // count)
+        make_shards(Path(args.corpus, name), args.many_pairs, args.image_size, per_shard)
+        child = subprocess.run(
+            [sys.executable, __file__, "--one-layout", name, *_passed(args)],
+            capture_output=True,
+            text=True,
+        )
+        if child.returncode != 0:
+            sys.stderr.write(child.stdout[-4000:] + child.stderr[-4000:])
+            raise SystemExit(f"scale: the {name}-shards layout failed (exit {child.returncode})")
+        figures = json.loads(child.stdout.strip().splitlines()[-1])
+        total = figures["embed_s"] + sum(m["seconds"] for m in figures["labels"].values())
+        results[name] = {**figures, "total_s": total}
+        emit(
+            "shard_layout",
+            layout=name,
+            shards=figures["shards"],
+            pairs=figures["pairs"],
+            embed_s=round(figures["embed_s"], 1),
+            label_s={m: round(v["seconds"], 1) for m, v in figures["labels"].items()},
+            total_s=round(total, 1),
+            s_per_shard=round(total / figures["shards"], 4),
+            driver_peak_rss_mb=round(figures["driver_peak_rss_mb"]),
+        )
+    few, many = results["few"], results["many"]
+    extra = many["shards"] - few["shards"]
+    emit(
+        "per_shard_overhead",
+        pairs=many["pairs"],
+        shards=[few["shards"], many["shards"]],
+        overhead_s_per_shard=round((many["total_s"] - few["total_s"]) / extra, 4),
+        driver_rss_growth_mb_per_1k_shards=round(
+            1000 * (many["driver_peak_rss_mb"] - few["driver_peak_rss_mb"]) / extra, 1
+        ),
+    )
 
 
 def _passed(args) -> list[str]:
