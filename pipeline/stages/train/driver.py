@@ -43,8 +43,6 @@ def torch_backend_config():
     from ray.train.backend import Backend, BackendConfig
     from ray.train.v2._internal.util import TrainingFramework
 
-    from pipeline.stages.train.rendezvous import setup_loopback_process_group
-
     def torch_backend():
         from ray.train.torch.config import _TorchBackend
 
@@ -54,6 +52,10 @@ def torch_backend_config():
         share_cuda_visible_devices = True  # as torch's: a worker sees its node's granted GPUs
 
         def on_start(self, worker_group, backend_config):
+            # Imported here: a name imported above would be pickled with this class and load
+            # pipeline.stages.train (and torch) in the controller that unpickles the config.
+            from pipeline.stages.train.rendezvous import setup_loopback_process_group
+
             if len(worker_group) > 1 and not setup_loopback_process_group(
                 worker_group, backend_config
             ):
