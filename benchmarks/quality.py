@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -316,15 +315,6 @@ def warm_up(args, workdir: Path) -> str:
     return RunLayout(job.output).model_checkpoint(0, "A")
 
 
-def _share_warmup(source: str, target: str) -> None:
-    """Start `target` from `source`'s warm-up: round 0 (embeddings, checkpoints, summary),
-    the quarantine and the manifest, so only the co-teaching rounds differ."""
-    Path(target).mkdir(parents=True, exist_ok=True)
-    for name in ("rounds/0", "quarantine"):
-        shutil.copytree(Path(source, name), Path(target, name), dirs_exist_ok=True)
-    shutil.copy(Path(source, "manifest.json"), Path(target, "manifest.json"))
-
-
 def _demo_corpus(folder: Path, args, noise: float):
     """The corpus `make demo-full` writes (same generator arguments), at `noise`."""
     corpus = folder / "corpus"
@@ -395,7 +385,7 @@ def run_coteaching(noise: float, args, workdir: Path) -> None:
             run_args = argparse.Namespace(**{**vars(args), "method": method or args.method})
             job = _demo_job(corpus, summary, folder / f"seed{seed}" / name, mode, seed, run_args)
             if warm is not None:
-                _share_warmup(warm, job.output)
+                quality_web.share_warmup(warm, job.output)
             started = time.perf_counter()
             metrics = run_job(job)
             warm = warm or job.output

@@ -191,7 +191,7 @@ def _runs(methods: list[str]) -> list[tuple[str, dict]]:
     return runs
 
 
-def _share_warmup(source: str, target: str) -> None:
+def share_warmup(source: str, target: str) -> None:
     """Start `target` from `source`'s round 0 (embeddings, warm-up, quarantine, manifest)."""
     Path(target).mkdir(parents=True, exist_ok=True)
     for name in ("rounds/0", "quarantine"):
@@ -272,7 +272,7 @@ def run_web(args, workdir: Path) -> None:
             overrides.update(dict(item.split("=", 1) for item in args.set))
             job = load_job(JOB, [f"{k}={v}" for k, v in overrides.items()])
             if base is not None and base != job.output:
-                _share_warmup(base, job.output)
+                share_warmup(base, job.output)
             started = time.perf_counter()
             metrics = run_job(job)
             seconds = time.perf_counter() - started
