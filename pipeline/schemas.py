@@ -62,7 +62,7 @@ def write_schemas(folder: str | Path) -> list[Path]:
 _CONFIG_INTRO = """\
 # Job file reference
 
-<!-- Generated from pipeline/config.py by `ncl-pipeline schemas` (`make schemas`); do not edit.
+<!-- Generated from pipeline/config/ by `ncl-pipeline schemas` (`make schemas`); do not edit.
      tests/test_docs.py fails when this file differs from a fresh render. -->
 
 A job is a YAML file with the sections below (`jobs/*.yaml` are examples). Every key can be

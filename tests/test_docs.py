@@ -44,7 +44,7 @@ def test_config_reference_lists_every_key_with_a_description():
         row = next((line for line in rendered.splitlines() if line.startswith(f"| `{key}` |")), "")
         assert row, f"{key} has no row in the rendered reference"
         description = row.rstrip(" |").rsplit(" | ", 1)[-1]
-        assert description.strip(), f"{key} has no description in pipeline/config.py"
+        assert description.strip(), f"{key} has no description in pipeline/config/sections.py"
 
 
 def test_readme_is_a_short_product_page():
