@@ -162,6 +162,17 @@ def test_shard_keys_reuse_shards_one_by_one():
     assert changed == "seed changed"
 
 
+def test_a_first_embed_pass_says_it_has_not_run_before_even_after_recomputed_inputs():
+    base = StageKey("round1/embed", {"seed": 0}, {"round0/keys": "k"})
+    none = {"00000": None, "00001": None}
+    first = embed_reason(base, None, ["00000", "00001"], none, {"round0/keys"})
+    assert first == "it has not run before"
+    # With a record, a recomputed input is the reason.
+    recorded = _done(StageKey("round1/embed", {"seed": 0}, {"round0/keys": "k", "shards": "x"}))
+    rerun = embed_reason(base, recorded, ["00000"], none, {"round0/keys"})
+    assert rerun == "its input round0/keys was recomputed"
+
+
 def test_an_embed_plan_redoes_missing_and_foreign_tables_and_everything_after_new_models(
     tmp_path,
 ):

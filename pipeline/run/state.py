@@ -372,6 +372,9 @@ def embed_reason(
     recomputed: Collection[str] = (),
 ) -> str:
     """Why an embed pass recomputes `pending` shards (its other shards are reused)."""
+    if recorded is None and not any(found.values()):
+        # A first run: that its inputs were computed in this run too is not the reason.
+        return "it has not run before"
     if recorded is not None and "config" in recorded:
         old_inputs = {k: v for k, v in (recorded.get("inputs") or {}).items() if k != "shards"}
         why = _config_changes(recorded.get("config") or {}, base.config)
