@@ -14,6 +14,9 @@ import yaml
 
 DOCKER = Path(__file__).resolve().parents[1] / "docker"
 REPO = DOCKER.parent
+# The CUDA major of each FAISS GPU wheel's runtime: Meta's faiss-gpu (1.14, 1.15) requires the
+# nvidia-*-cu12 wheels; faiss-gpu-cu<N> names it.
+FAISS_CUDA_MAJOR = {"faiss-gpu": "12", "faiss-gpu-cu12": "12"}
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +138,7 @@ def test_dockerfile_no_latest_and_non_root(dockerfile):
 
 def test_dockerfile_torch_cuda_matches_the_faiss_extra(dockerfile):
     """The image's torch and faiss-gpu must use one CUDA major: a CUDA 13 torch beside
-    faiss-gpu-cu12 leaves torch without CUDA on drivers older than 580."""
+    faiss's CUDA 12 runtime leaves torch without CUDA on drivers older than 580."""
     import tomllib
 
     index = re.search(r"^ARG TORCH_INDEX_URL=(\S+)", dockerfile, re.M)
@@ -145,10 +148,10 @@ def test_dockerfile_torch_cuda_matches_the_faiss_extra(dockerfile):
     assert cuda, f"{index.group(1)} is not a CUDA build index of download.pytorch.org"
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
     (faiss_gpu,) = pyproject["project"]["optional-dependencies"]["gpu"]
-    faiss_cuda = re.match(r"faiss-gpu-cu(\d+)", faiss_gpu)
-    assert faiss_cuda, faiss_gpu
-    # cu128 -> CUDA 12; the faiss extra's suffix is the major alone.
-    assert cuda.group(1)[:-1] == faiss_cuda.group(1) == major.group(1)
+    name = re.match(r"[\w-]+", faiss_gpu).group(0)
+    assert name in FAISS_CUDA_MAJOR, f"{faiss_gpu}: which CUDA major does it use?"
+    # cu128 -> CUDA 12.
+    assert cuda.group(1)[:-1] == FAISS_CUDA_MAJOR[name] == major.group(1)
     # The build checks the installed torch's CUDA major against TORCH_CUDA_MAJOR.
     install = next(ln for ln in _instructions(dockerfile) if "${TORCH_INDEX_URL}" in ln)
     assert "torch.version.cuda" in install and "${TORCH_CUDA_MAJOR}" in install

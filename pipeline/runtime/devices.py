@@ -99,22 +99,23 @@ def granted_device(what: str) -> torch.device:
 
 
 def granted_faiss_gpus(what: str) -> list[int]:
-    """FAISS device numbers of the GPUs Ray granted (empty = CPU index).
+    """FAISS device numbers of the GPUs Ray granted (empty = CPU index), after a real FAISS
+    kernel ran on each of them (`pipeline.runtime.faiss_smoke`, in a child process).
 
     Raises:
-        GpuUnusableError: GPUs were granted but this faiss cannot use them (faiss-cpu, or a
-            faiss-gpu whose CUDA the driver does not run).
+        GpuUnusableError: GPUs were granted but this faiss cannot use them (faiss-cpu, a wheel
+            without kernels for this GPU's architecture, a CUDA the driver does not run).
     """
     granted = granted_gpu_count()
     if granted == 0:
         return []
-    import faiss
+    from pipeline.runtime.faiss_smoke import faiss_gpu_problem
 
-    seen = faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0
-    if seen < granted:
+    devices = list(range(granted))
+    problem = faiss_gpu_problem(devices)
+    if problem is not None:
         raise GpuUnusableError(
-            f"{what} was granted {granted} GPU(s) by Ray but faiss {faiss.__version__} sees "
-            f"{seen}: install the gpu extra (faiss-gpu-cu12) with a driver >= 525, or set "
+            f"{what} was granted {granted} GPU(s) by Ray but {problem}; or set "
             f"index.gpus_per_actor: 0 (NVIDIA driver {_driver_version()})"
         )
-    return list(range(granted))
+    return devices
