@@ -7,13 +7,22 @@ Contract (part of :mod:`pipeline.models.clip`):
 * Weights always stay fp32; reduced precision is autocast only (:func:`autocast_dtype_for`), and
   a precision the device cannot autocast falls back to fp32 with a warning.
 * :func:`encode_pairs` returns L2-normalised float32 embeddings and the CLIP temperature, so
-  anything computed from the outputs (losses, cosines) is fp32.
+  anything computed from the outputs (losses, cosines) is fp32; :func:`encode_images` and
+  :func:`encode_texts` are its two towers, run apart (the embed pass encodes texts per shard).
+* Pixels: :func:`pixel_spec` reads the size, crop and mean/std out of open_clip's eval
+  transform; :func:`decode_pixels` decodes JPEG bytes batched with torchvision on any device
+  (nvJPEG on CUDA) and resizes, crops and normalises there; :func:`pil_pixels` is the CPU
+  path's resize + crop to uint8 and :func:`normalize_pixels` the shared last step, so a reader
+  can ship uint8 and normalise on the device.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -25,7 +34,21 @@ from pipeline.models.spec import (
     ModelLoadError,
 )
 
-__all__ = ["autocast_dtype_for", "bf16_native", "encode_pairs", "resolve_device"]
+__all__ = [
+    "PixelSpec",
+    "autocast_dtype_for",
+    "bf16_native",
+    "decode_jpegs",
+    "decode_pixels",
+    "encode_images",
+    "encode_pairs",
+    "encode_texts",
+    "normalize_pixels",
+    "pil_pixels",
+    "pixel_spec",
+    "resize_crop",
+    "resolve_device",
+]
 
 
 def resolve_device(device: str | torch.device = DEFAULT_DEVICE) -> torch.device:
@@ -106,6 +129,31 @@ def autocast_dtype_for(precision: str, device: torch.device) -> torch.dtype | No
     return None
 
 
+def _autocast(loaded: LoadedClip):
+    dtype = loaded.autocast_dtype
+    return torch.autocast(device_type=loaded.device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def encode_images(loaded: LoadedClip, images: torch.Tensor) -> torch.Tensor:
+    """(B, 3, H, W) float preprocessed pixels, any device -> (B, D) float32 L2-normalised
+    image embeddings on ``loaded.device``."""
+    images = images.to(loaded.device, dtype=torch.float32, non_blocking=True)  # (B, 3, H, W)
+    with torch.no_grad():
+        with _autocast(loaded):
+            emb = loaded.model.encode_image(images)  # (B, D), autocast dtype
+        # Normalise in fp32, outside autocast: a bf16 norm is only good to ~1e-2.
+        return F.normalize(emb.float(), dim=-1)
+
+
+def encode_texts(loaded: LoadedClip, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, L) int64 tokens, any device -> (B, D) float32 L2-normalised text embeddings."""
+    tokens = tokens.to(loaded.device, dtype=torch.long, non_blocking=True)  # (B, L)
+    with torch.no_grad():
+        with _autocast(loaded):
+            emb = loaded.model.encode_text(tokens)  # (B, D), autocast dtype
+        return F.normalize(emb.float(), dim=-1)
+
+
 def encode_pairs(
     loaded: LoadedClip, images: torch.Tensor, tokens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -129,16 +177,136 @@ def encode_pairs(
             "encode_pairs expects images (B, 3, H, W) and tokens (B, L) with the same B; got "
             f"{tuple(images.shape)} and {tuple(tokens.shape)}."
         )
-    dev = loaded.device
-    dtype = loaded.autocast_dtype
-    images = images.to(dev, dtype=torch.float32, non_blocking=True)  # (B, 3, H, W)
-    tokens = tokens.to(dev, dtype=torch.long, non_blocking=True)  # (B, L)
-    with torch.no_grad():
-        with torch.autocast(device_type=dev.type, dtype=dtype, enabled=dtype is not None):
-            img = loaded.model.encode_image(images)  # (B, D), autocast dtype
-            txt = loaded.model.encode_text(tokens)  # (B, D), autocast dtype
-        # Normalise in fp32, outside autocast: a bf16 norm is only good to ~1e-2.
-        img = F.normalize(img.float(), dim=-1)
-        txt = F.normalize(txt.float(), dim=-1)
-        scale = loaded.model.logit_scale.detach().float().exp().clamp(max=LOGIT_SCALE_MAX)
+    img = encode_images(loaded, images)
+    txt = encode_texts(loaded, tokens)
+    scale = loaded.model.logit_scale.detach().float().exp().clamp(max=LOGIT_SCALE_MAX)
     return img, txt, float(scale.reshape(-1)[0].item())
+
+
+# --------------------------------------------------------------------------------------------
+# Pixels
+
+
+@dataclass(frozen=True)
+class PixelSpec:
+    """What open_clip's eval transform does to an image, as data."""
+
+    size: int  # shortest side resized to this (bicubic, antialiased), then a size x size crop
+    mean: tuple[float, float, float]  # per channel, on [0, 1] pixels
+    std: tuple[float, float, float]
+
+
+def pixel_spec(preprocess: Callable) -> PixelSpec:
+    """The :class:`PixelSpec` of an open_clip eval transform (``LoadedClip.preprocess`` or
+    ``load_transforms``): Resize(shortest side, bicubic), CenterCrop(square), to-tensor,
+    Normalize.
+
+    Raises:
+        ValueError: the transform is not of that shape (another resize mode or interpolation),
+            naming it; decode such a model's images on CPU (``embed.decode: cpu``).
+    """
+    from torchvision.transforms import CenterCrop, InterpolationMode, Normalize, Resize
+
+    steps = list(getattr(preprocess, "transforms", []))
+    resize = next((t for t in steps if isinstance(t, Resize)), None)
+    crop = next((t for t in steps if isinstance(t, CenterCrop)), None)
+    norm = next((t for t in steps if isinstance(t, Normalize)), None)
+    size = resize.size if resize is not None else None
+    size = size[0] if isinstance(size, (list, tuple)) and len(size) == 1 else size
+    if (
+        resize is None
+        or crop is None
+        or norm is None
+        or not isinstance(size, int)
+        or resize.interpolation != InterpolationMode.BICUBIC
+        or tuple(crop.size) != (size, size)
+    ):
+        raise ValueError(
+            f"the model's image transform is not resize-shortest-side + square centre crop + "
+            f"normalise ({preprocess}); use embed.decode: cpu for this model"
+        )
+    return PixelSpec(size=size, mean=tuple(norm.mean), std=tuple(norm.std))
+
+
+def pil_pixels(image, spec: PixelSpec) -> np.ndarray:
+    """A PIL RGB image -> (3, size, size) uint8: the eval transform's resize and crop, exactly
+    (torchvision's own PIL ops), without the float conversion."""
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as TF
+
+    image = TF.resize(image, spec.size, interpolation=InterpolationMode.BICUBIC, antialias=True)
+    image = TF.center_crop(image, [spec.size, spec.size])
+    return np.ascontiguousarray(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1))
+
+
+def normalize_pixels(pixels: torch.Tensor, spec: PixelSpec) -> torch.Tensor:
+    """(B, 3, H, W) uint8 on any device -> float32 ``(x / 255 - mean) / std`` there: the same
+    operations, in the same order, as the eval transform's to-tensor and Normalize."""
+    mean = torch.tensor(spec.mean, dtype=torch.float32, device=pixels.device).view(1, 3, 1, 1)
+    std = torch.tensor(spec.std, dtype=torch.float32, device=pixels.device).view(1, 3, 1, 1)
+    return pixels.to(torch.float32).div(255).sub_(mean).div_(std)
+
+
+def decode_jpegs(blobs: Sequence[bytes], device: str | torch.device) -> list[torch.Tensor | str]:
+    """Decode JPEG bytes to RGB on `device` (nvJPEG on CUDA, libjpeg on CPU), batched.
+
+    Returns:
+        Per blob, a (3, H, W) uint8 tensor on `device`, or the decoder's message when that
+        blob does not decode (the batch is then decoded one by one to name the bad ones).
+    """
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    if not blobs:
+        return []
+    data = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) for blob in blobs]
+    try:
+        return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
+    except RuntimeError:
+        pass
+    out: list[torch.Tensor | str] = []
+    for one in data:
+        try:
+            out.append(decode_jpeg(one, mode=ImageReadMode.RGB, device=device))
+        except RuntimeError as exc:
+            # torchvision prefixes its source location: "decode_jpeg, <file>:<line>, <why>".
+            out.append(str(exc).splitlines()[0].rsplit(", ", 1)[-1])
+    return out
+
+
+def resize_crop(images: Sequence[torch.Tensor], spec: PixelSpec) -> torch.Tensor:
+    """(3, H_i, W_i) uint8 images on one device -> (B, 3, size, size) uint8 there: shortest
+    side to `spec.size` (bicubic, antialiased, as the PIL path), then the centre crop."""
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.v2 import functional as TF
+
+    out = []
+    for image in images:  # sizes differ: one resize each (the GPU runs them back to back)
+        image = TF.resize(
+            image, [spec.size], interpolation=InterpolationMode.BICUBIC, antialias=True
+        )
+        out.append(TF.center_crop(image, [spec.size, spec.size]))
+    return torch.stack(out)  # (B, 3, size, size)
+
+
+def decode_pixels(
+    blobs: Sequence[bytes], spec: PixelSpec, device: str | torch.device
+) -> tuple[torch.Tensor, list[str | None]]:
+    """JPEG bytes -> model-ready pixels on `device`: batched decode, resize, crop, normalise.
+
+    Args:
+        blobs: encoded JPEG images.
+        spec: from :func:`pixel_spec` of the model's transform.
+        device: where to decode and transform ("cuda", "cuda:1", "cpu").
+
+    Returns:
+        pixels: (B_ok, 3, size, size) float32 on `device`, one row per blob that decoded, in
+            order.
+        errors: per blob, None or why it did not decode.
+    """
+    decoded = decode_jpegs(blobs, device)
+    good = [image for image in decoded if isinstance(image, torch.Tensor)]
+    errors = [None if isinstance(image, torch.Tensor) else image for image in decoded]
+    if not good:
+        empty = torch.empty((0, 3, spec.size, spec.size), dtype=torch.float32, device=device)
+        return empty, errors
+    return normalize_pixels(resize_crop(good, spec), spec), errors

@@ -1,0 +1,116 @@
+"""The two decode paths give the same pixels (pipeline.models.encode).
+
+CPU path: PIL decode + open_clip's eval transform (float32). uint8 path: the same PIL resize and
+crop to uint8, normalised later (`pil_pixels` + `normalize_pixels`): bit-identical. Device
+path: torchvision's batched JPEG decode + tensor resize (`decode_pixels`, run here on CPU):
+within PIXEL_LEVELS uint8 levels of the CPU path at every pixel, PIXEL_MEAN_LEVELS on average.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from pipeline.models import ModelSpec, load_transforms
+from pipeline.models.encode import (
+    decode_pixels,
+    normalize_pixels,
+    pil_pixels,
+    pixel_spec,
+)
+
+# Tolerance of the device path vs PIL, in uint8 levels of the resized image: both decode with
+# libjpeg-turbo's IDCT, and the resizes are bicubic with antialiasing in float (torchvision)
+# vs fixed point (PIL).
+PIXEL_LEVELS = 2.0
+PIXEL_MEAN_LEVELS = 0.05
+
+SIZES = [(64, 64), (97, 150), (300, 200), (640, 480), (40, 30)]
+
+
+def scene_jpeg(size: tuple[int, int], seed: int) -> bytes:
+    """A photo-like JPEG: a smooth gradient with a few filled shapes (sharp edges)."""
+    rng = np.random.default_rng(seed)
+    w, h = size
+    y, x = np.mgrid[0:h, 0:w]
+    base = np.stack([x * 255 / w, y * 255 / h, (x + y) * 127 / (w + h)], axis=-1)
+    image = Image.fromarray(base.astype(np.uint8), "RGB")
+    draw = ImageDraw.Draw(image)
+    for _ in range(4):
+        x0, y0 = int(rng.integers(0, w)), int(rng.integers(0, h))
+        box = [x0, y0, x0 + int(rng.integers(4, w)), y0 + int(rng.integers(4, h))]
+        draw.ellipse(box, fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module", params=["ncl-tiny", "ViT-B-32"])
+def transform(request):
+    preprocess, _ = load_transforms(ModelSpec(request.param, None))
+    return preprocess, pixel_spec(preprocess)
+
+
+@pytest.fixture(scope="module")
+def blobs():
+    return [scene_jpeg(size, seed) for seed, size in enumerate(SIZES)]
+
+
+def _cpu_path(blobs, preprocess) -> torch.Tensor:
+    return torch.stack([preprocess(Image.open(io.BytesIO(b)).convert("RGB")) for b in blobs])
+
+
+def test_uint8_path_is_the_eval_transform_bit_for_bit(transform, blobs):
+    preprocess, spec = transform
+    images = [Image.open(io.BytesIO(b)).convert("RGB") for b in blobs]
+    uint8 = torch.from_numpy(np.stack([pil_pixels(image, spec) for image in images]))
+    assert uint8.dtype == torch.uint8 and uint8.shape == (len(blobs), 3, spec.size, spec.size)
+    assert torch.equal(normalize_pixels(uint8, spec), _cpu_path(blobs, preprocess))
+
+
+def test_device_path_on_cpu_matches_pil_within_tolerance(transform, blobs):
+    preprocess, spec = transform
+    pixels, errors = decode_pixels(blobs, spec, "cpu")
+    assert errors == [None] * len(blobs)
+    reference = _cpu_path(blobs, preprocess)
+    assert pixels.shape == reference.shape and pixels.dtype == torch.float32
+    std = torch.tensor(spec.std).view(1, 3, 1, 1)
+    levels = (pixels - reference).abs() * std * 255  # back to uint8 levels
+    assert levels.max() <= PIXEL_LEVELS + 1e-3, float(levels.max())
+    assert levels.mean() <= PIXEL_MEAN_LEVELS, float(levels.mean())
+
+
+def test_undecodable_blob_is_named_and_the_rest_decode(transform, blobs):
+    _, spec = transform
+    broken = blobs[2][: len(blobs[2]) // 3] + b"\x00" * 16
+    pixels, errors = decode_pixels([blobs[0], b"not a jpeg", blobs[1]], spec, "cpu")
+    assert pixels.shape[0] == 2
+    assert errors[0] is None and errors[2] is None and errors[1]
+    alone, _ = decode_pixels([blobs[0], blobs[1]], spec, "cpu")
+    assert torch.equal(pixels, alone)
+    # A JPEG cut short is refused, as PIL refuses it (the CPU path's undecodable_image).
+    assert decode_pixels([broken], spec, "cpu")[1] == ["Image is incomplete or truncated"]
+
+
+def test_non_square_transforms_are_refused_with_the_fix():
+    from torchvision import transforms as T
+
+    odd = T.Compose([T.Resize((64, 32)), T.ToTensor(), T.Normalize((0.5,) * 3, (0.5,) * 3)])
+    with pytest.raises(ValueError, match="embed.decode: cpu"):
+        pixel_spec(odd)
+
+
+@pytest.mark.gpu
+def test_device_path_on_cuda_matches_the_cpu_decode(transform, blobs):
+    preprocess, spec = transform
+    pixels, errors = decode_pixels(blobs, spec, "cuda")
+    assert errors == [None] * len(blobs) and pixels.device.type == "cuda"
+    std = torch.tensor(spec.std).view(1, 3, 1, 1)
+    levels = (pixels.cpu() - _cpu_path(blobs, preprocess)).abs() * std * 255
+    # nvJPEG's IDCT and chroma upsampling differ from libjpeg-turbo's by a level or two more.
+    assert levels.max() <= PIXEL_LEVELS + 2, float(levels.max())
+    assert levels.mean() <= 2 * PIXEL_MEAN_LEVELS, float(levels.mean())
