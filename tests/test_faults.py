@@ -212,7 +212,7 @@ def _wait_for_new_process(title: str, before: set[int], timeout: float = 60) -> 
 # process whose node is removed then).
 NODE_LOSSES = (
     ("embed", "rounds/0/embeddings/00000.parquet", "embed_shards_on_cpu"),
-    ("train", "rounds/0/checkpoints/A/resume.pt", "RayTrainWorker"),
+    ("train", "rounds/0/checkpoints/A/resume.pt", "train_worker"),  # the one worker's task
     # both index actors hold their rows (restore tables written), no shard is labelled yet
     (
         "labels",

@@ -100,6 +100,46 @@ def test_the_direction_check_can_fail():
     assert _layer_violations("core", ["pipeline.errors"]) == {"pipeline.errors"}
 
 
+# --------------------------------------------------------------------------- Ray's private API
+
+
+def _private_ray(imported: list[str]) -> set[str]:
+    """The names of `imported` inside Ray's private modules (`ray._private`, `ray.*._internal`):
+    they change without notice between Ray releases; Ray's public settings and APIs do not."""
+    return {
+        name
+        for name in imported
+        if name.split(".")[0] == "ray"
+        and any(p in ("_private", "_internal") for p in name.split("."))
+    }
+
+
+def test_the_package_imports_nothing_private_of_ray():
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if bad := _private_ray(_imports(path)):
+            found[str(path.relative_to(PACKAGE))] = sorted(bad)
+    assert not found, f"imports of Ray's private modules (use Ray's public API): {found}"
+
+
+def test_the_private_ray_check_can_fail(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import ray.train\n"
+        "from ray.train.torch import TorchConfig\n"
+        "def f():\n"
+        "    from ray._private.ray_logging import global_worker_stdstream_dispatcher\n"
+        "    import ray.train.v2._internal.util as util\n"
+        "    from ray.train.v2 import _internal\n"
+    )
+    assert _private_ray(_imports(source)) == {
+        "ray._private.ray_logging",
+        "ray._private.ray_logging.global_worker_stdstream_dispatcher",
+        "ray.train.v2._internal.util",
+        "ray.train.v2._internal",
+    }
+
+
 def test_no_test_imports_a_private_name_of_a_stage():
     for path in TESTS.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -42,8 +42,8 @@ def apply_loopback_defaults() -> None:
         os.environ.setdefault(key, value)
 
 
-# Every worker process of the job sets up its console this way (pipeline.runtime.console): what
-# worker code logs reaches the driver's terminal, and worker code itself configures no logging.
+# Every worker process of the job sets up its logging this way (pipeline.runtime.console); worker
+# code itself configures none.
 WORKER_SETUP_HOOK = "pipeline.runtime.console.setup_worker_logging"
 
 
@@ -83,18 +83,13 @@ def init_ray(
         apply_loopback_defaults()
     import ray
 
-    from pipeline.runtime.console import filter_stderr, quiet_ray
+    from pipeline.runtime.console import ray_init_options
 
     if ray.is_initialized():
         return "existing Ray session"
-    filter_stderr()  # ray.init prints notices (the token-auth one) while it starts
+    output = ray_init_options()  # what Ray prints on this terminal (pipeline.runtime.console)
     if address:
-        ray.init(
-            address=address,
-            log_to_driver=True,
-            runtime_env=_worker_runtime_env(),
-        )
-        quiet_ray()
+        ray.init(address=address, runtime_env=_worker_runtime_env(), **output)
         return f"Ray cluster at {address}"
     ray.init(
         # A new private instance even when another Ray runs on this machine (`ray start`
@@ -103,9 +98,7 @@ def init_ray(
         num_cpus=num_cpus,
         object_store_memory=object_store_memory,  # a full store spills objects to disk
         include_dashboard=False,
-        log_to_driver=True,
         configure_logging=True,
-        logging_level="WARNING",
         runtime_env={"worker_process_setup_hook": WORKER_SETUP_HOOK},
         # Ray keeps only num_cpus idle workers and ends the others within a second, so on a
         # small machine each training round's decode tasks started in fresh processes that
@@ -114,8 +107,8 @@ def init_ray(
         _system_config={
             "num_workers_soft_limit": max(IDLE_WORKERS, num_cpus or os.cpu_count() or 1)
         },
+        **output,
     )
-    quiet_ray()  # Ray's noise off the terminal, when pipeline.runtime.console owns it
     return "local Ray (127.0.0.1)"
 
 

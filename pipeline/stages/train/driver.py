@@ -1,5 +1,14 @@
-"""`run_training`: one Ray Train `TorchTrainer` for a round (whether to run it at all is the
-run state's decision: `pipeline.run.state`)."""
+"""`run_training`: a round's training workers (whether to run it at all is the run state's
+decision: `pipeline.run.state`).
+
+One worker runs `train_loop` in one Ray task: no process group to set up, so Ray Train's
+controller and worker-group start-up would buy nothing; a failed task is retried
+`train.max_failures` times (a lost node, a killed worker) and resumes from `resume.pt`.
+Several workers run it on Ray Train (`TorchTrainer`, DDP) with a rendezvous bound to rank 0's
+node address (`pipeline.runtime.rendezvous`); Ray Train restarts a failed worker group the
+same number of times. Either way the loop reads the same spec, writes the same checkpoints and
+summary, and reports progress to the same board.
+"""
 
 from __future__ import annotations
 
@@ -15,87 +24,16 @@ from pipeline.stages.train.data import steps_per_epoch
 from pipeline.stages.train.loop import NOT_RETRIED, train_loop
 from pipeline.stages.train.spec import TrainSpec
 
-__all__ = ["run_training", "torch_backend_config", "train_loop_config"]
+__all__ = ["run_training", "train_loop_config"]
 
 logger = logging.getLogger(__name__)
 
-# ------------------------------------------------------------------------------------------
-# Driver side
 
-
-def torch_backend_config():
-    """Ray Train's torch backend as a config its controller loads without torch, and without a
-    process group when there is a single worker.
-
-    - The controller actor unpickles the backend config. Ray's `TorchConfig` lives in a module
-      that imports torch: ~2.5 s of CPU in a fresh process that never runs torch, on the
-      critical path of every training round. This config and its backend import only
-      `ray.train.backend`; they reach torch's backend only to set up several workers.
-    - A process group is only needed to synchronise several workers, and torch's TCPStore binds
-      all interfaces (`::`) whatever MASTER_ADDR says: a local, single-worker run must not open
-      a port beyond loopback (`tests/test_embed_pass.py` checks what Ray processes listen on).
-    - Several workers on the embedded local Ray rendezvous through a store bound to 127.0.0.1
-      (`rendezvous.py`; `tests/test_train_two_workers.py` checks every listening socket); on
-      a cluster, Ray Train's torch backend sets the group up as usual.
-    """
-    from dataclasses import dataclass
-
-    from ray.train.backend import Backend, BackendConfig
-    from ray.train.v2._internal.util import TrainingFramework
-
-    def torch_backend():
-        from ray.train.torch.config import _TorchBackend
-
-        return _TorchBackend()
-
-    class _Backend(Backend):
-        share_cuda_visible_devices = True  # as torch's: a worker sees its node's granted GPUs
-
-        def on_start(self, worker_group, backend_config):
-            # Imported here: a name imported above would be pickled with this class and load
-            # pipeline.stages.train (and torch) in the controller that unpickles the config.
-            from pipeline.stages.train.rendezvous import setup_loopback_process_group
-
-            if len(worker_group) > 1 and not setup_loopback_process_group(
-                worker_group, backend_config
-            ):
-                torch_backend().on_start(worker_group, backend_config)
-
-        def on_shutdown(self, worker_group, backend_config):
-            # One worker has no process group to destroy, and its process ends with the round.
-            if len(worker_group) > 1:
-                torch_backend().on_shutdown(worker_group, backend_config)
-
-    @dataclass
-    class _Config(BackendConfig):
-        # TorchConfig's fields, read by torch's backend when it sets up several workers.
-        backend: str | None = None
-        init_method: str = "env"
-        timeout_s: int = 1800
-
-        @property
-        def backend_cls(self):
-            return _Backend
-
-        @property
-        def train_func_context(self):
-            # Runs on the workers (which import torch anyway): selects the granted CUDA device.
-            from ray.train.torch.config import TorchConfigContextManager
-
-            return TorchConfigContextManager
-
-        @property
-        def framework(self):
-            return TrainingFramework.TORCH
-
-    return _Config()
-
-
-def train_loop_config(spec: TrainSpec, board) -> dict:
+def train_loop_config(spec: TrainSpec, board, ray_train: bool) -> dict:
     """`train_loop`'s config, with the spec as bytes: Ray Train's controller unpickles this
-    config too, and the spec's classes would make it import the training code, torch and
-    open_clip (~6 s of CPU per round in a process that only supervises the workers)."""
-    return {"spec": pickle.dumps(spec), "progress": board}
+    config too, and the spec's classes would make it import the training code and open_clip
+    (seconds of CPU per round in a process that only supervises the workers)."""
+    return {"spec": pickle.dumps(spec), "progress": board, "ray_train": ray_train}
 
 
 def _train_storage(path: str):
@@ -174,15 +112,13 @@ def _own_sigint_handler_kept():
 
 
 def run_training(spec: TrainSpec) -> dict:
-    """Train the views of `spec` on Ray Train; a `resume.pt` left by an interrupted run of
-    the same round is resumed (the driver deletes the round's checkpoints when its key changed).
+    """Train the views of `spec`; a `resume.pt` left by an interrupted run of the same round
+    is resumed (the driver deletes the round's checkpoints when its key changed).
 
     Returns:
         The round's train summary (per view: epochs, steps, loss/rSum history, kept epoch).
     """
     import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     layout = RunLayout(spec.output)
     if steps_per_epoch(spec, spec.train.workers) == 0:
@@ -193,7 +129,6 @@ def run_training(spec: TrainSpec) -> dict:
             f"train.batch_size={spec.train.batch_size} x train.workers={spec.train.workers} is "
             f"more than the {usable} usable samples can fill once; lower train.batch_size"
         )
-    storage, filesystem = _train_storage(f"{layout.round_dir(spec.round_index)}/ray_train")
     logger.info(
         f"train: round {spec.round_index} ({spec.mode}), views "
         f"{', '.join(v.name for v in spec.views)}, {spec.train.workers} worker(s), "
@@ -203,10 +138,55 @@ def run_training(spec: TrainSpec) -> dict:
 
     remove_path(layout.train_error(spec.round_index))  # an earlier run's, since fixed
     board = ProgressBoard.start()
+    bars = _EpochBars()
+    try:
+        with follow_board(board, bars.counts, bars.message):
+            if spec.train.workers == 1:
+                _run_one_worker(spec, board)
+            else:
+                _run_on_ray_train(spec, board)
+    finally:
+        bars.close()
+        ray.kill(board)
+    error = read_json(layout.train_error(spec.round_index))
+    if error is not None:  # recorded by a worker; the retried worker(s) ended at once
+        raise _recorded_error(error)
+    summary = read_json(layout.train_summary(spec.round_index))
+    if summary is None:
+        raise RuntimeError(f"training of round {spec.round_index} ended without its summary")
+    return summary
+
+
+def train_worker(config: dict) -> None:
+    """The single training worker of a round, as a Ray task (see the module docstring)."""
+    train_loop(config)
+
+
+def _run_one_worker(spec: TrainSpec, board) -> None:
+    import ray
+
+    # The resources of Ray Train's default worker: one CPU, and one GPU on GPUs.
+    task = ray.remote(train_worker).options(
+        num_cpus=1,
+        num_gpus=1 if spec.use_gpu else 0,
+        max_retries=spec.train.max_failures,
+        retry_exceptions=True,
+    )
+    ray.get(task.remote(train_loop_config(spec, board, ray_train=False)))
+
+
+def _run_on_ray_train(spec: TrainSpec, board) -> None:
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from pipeline.runtime.rendezvous import LoopbackTorchConfig
+
+    layout = RunLayout(spec.output)
+    storage, filesystem = _train_storage(f"{layout.round_dir(spec.round_index)}/ray_train")
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config=train_loop_config(spec, board),
-        torch_config=torch_backend_config(),
+        train_loop_config=train_loop_config(spec, board, ray_train=True),
+        torch_config=LoopbackTorchConfig(),
         scaling_config=ScalingConfig(num_workers=spec.train.workers, use_gpu=spec.use_gpu),
         # A failed worker group (a node lost, a worker killed) is restarted by Ray Train and
         # train_loop resumes from resume.pt: the same weights as an undisturbed run.
@@ -217,17 +197,5 @@ def run_training(spec: TrainSpec) -> dict:
             failure_config=FailureConfig(max_failures=spec.train.max_failures),
         ),
     )
-    bars = _EpochBars()
-    try:
-        with follow_board(board, bars.counts, bars.message), _own_sigint_handler_kept():
-            trainer.fit()
-    finally:
-        bars.close()
-        ray.kill(board)
-    error = read_json(layout.train_error(spec.round_index))
-    if error is not None:  # recorded by a worker; the retried worker group ended at once
-        raise _recorded_error(error)
-    summary = read_json(layout.train_summary(spec.round_index))
-    if summary is None:
-        raise RuntimeError(f"training of round {spec.round_index} ended without its summary")
-    return summary
+    with _own_sigint_handler_kept():
+        trainer.fit()

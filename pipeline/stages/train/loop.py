@@ -35,7 +35,7 @@ from pipeline.stages.train.data import (
     steps_per_epoch,
 )
 from pipeline.stages.train.spec import TrainSpec, ViewSpec
-from pipeline.stages.train.sync import all_have, from_rank0, sum_across
+from pipeline.stages.train.sync import all_have, from_rank0, is_distributed, sum_across
 
 __all__ = ["NOT_RETRIED", "train_loop"]
 
@@ -48,7 +48,7 @@ NOT_RETRIED = (ShardChangedError, GpuUnusableError)
 PROGRESS_REPORTS = 50  # counts sent to the driver's progress board per epoch
 
 # ------------------------------------------------------------------------------------------
-# The loop that runs on each Ray Train worker
+# The loop that runs on each training worker
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -128,13 +128,15 @@ class _ViewTrainer:
         total_steps: int,
         step_offset: int = 0,
     ):
-        import ray.train.torch
-
         self.spec, self.view = spec, view
         self.layout = RunLayout(spec.output)
         self.loaded = load_clip(view.init, device)
         self.loaded.model.train()
-        self.model = ray.train.torch.prepare_model(self.loaded.model, move_to_device=False)
+        self.model = self.loaded.model
+        if is_distributed():  # DDP across Ray Train's workers; one worker trains it as is
+            import ray.train.torch
+
+            self.model = ray.train.torch.prepare_model(self.loaded.model, move_to_device=False)
         self.optimizer = torch.optim.AdamW(
             _param_groups(self.loaded.model, spec.train.weight_decay),
             lr=spec.train.lr,
@@ -254,25 +256,26 @@ class _ViewTrainer:
 
 
 def train_loop(config: dict) -> None:
-    """Runs on every Ray Train worker.
+    """Runs on every Ray Train worker, or as the one worker's Ray task (`config["ray_train"]`
+    says which; `pipeline.stages.train.driver`).
 
-    Ray Train restarts the worker group after any worker error (`train.max_failures` times),
-    which resumes from `resume.pt` after a lost node but only repeats an error in the data or
-    the set-up: such an error (`NOT_RETRIED`) is recorded for the driver, and a restarted
-    worker group that finds the record ends at once instead of reaching the error again.
+    Ray Train restarts the worker group (Ray retries the one worker's task) after any worker
+    error (`train.max_failures` times), which resumes from `resume.pt` after a lost node but
+    only repeats an error in the data or the set-up: such an error (`NOT_RETRIED`) is recorded
+    for the driver, and a restarted worker that finds the record ends at once instead of
+    reaching the error again.
     """
-    import ray.train
-
     spec: TrainSpec = pickle.loads(config["spec"])  # pickled by run_training: see there
+    ray_train = config.get("ray_train", True)
     path = RunLayout(spec.output).train_error(spec.round_index)
     record = read_json(path)
     if record is not None:
-        if ray.train.get_context().get_world_rank() == 0:
+        if _rank_and_world(ray_train)[0] == 0:
             record["restarts_ended"] = record.get("restarts_ended", 0) + 1
             write_json_atomic(record, path)
         return
     try:
-        _train(spec, config.get("progress"))
+        _train(spec, config.get("progress"), ray_train)
     except Exception as exc:
         root = root_cause(exc)
         if isinstance(root, NOT_RETRIED):
@@ -287,21 +290,36 @@ def train_loop(config: dict) -> None:
         raise
 
 
-def _train(spec: TrainSpec, board) -> None:
+def _rank_and_world(ray_train: bool) -> tuple[int, int]:
+    """(rank, world size): Ray Train's worker group, or the one worker of a Ray task."""
+    if not ray_train:
+        return 0, 1
     import ray.train
-    import ray.train.torch
 
+    ctx = ray.train.get_context()
+    return ctx.get_world_rank(), ctx.get_world_size()
+
+
+def _device(spec: TrainSpec, ray_train: bool) -> torch.device:
+    if ray_train:
+        import ray.train.torch
+
+        return ray.train.torch.get_device()
+    # A Ray task granted a GPU sees only that one (Ray sets CUDA_VISIBLE_DEVICES).
+    return torch.device("cuda", 0) if spec.use_gpu else torch.device("cpu")
+
+
+def _train(spec: TrainSpec, board, ray_train: bool) -> None:
     if spec.train.torch_threads:
         torch.set_num_threads(spec.train.torch_threads)
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    rank, world = _rank_and_world(ray_train)
     if spec.use_gpu:
         from pipeline.runtime.devices import GpuUnusableError, cuda_unusable_reason
 
         reason = cuda_unusable_reason()
         if reason is not None:
             raise GpuUnusableError(f"training worker {rank} was granted a GPU but {reason}")
-    device = ray.train.torch.get_device()
+    device = _device(spec, ray_train)
     steps = steps_per_epoch(spec, world)
     if steps == 0:
         raise ValueError(
@@ -331,7 +349,10 @@ def _train(spec: TrainSpec, board) -> None:
             rsum = results.get(t.view.name, {}).get("rsum")
             _end_epoch(spec, t, epoch, rsum, seen, seconds, rank, board)
         _agree_on_stops(active, device)
-        ray.train.report({"epoch": epoch})
+        if ray_train:  # Ray Train's controller follows the workers' epochs
+            import ray.train
+
+            ray.train.report({"epoch": epoch})
     if rank == 0:
         _finish(spec, trainers)
 
