@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GpuUnusableError",
     "cuda_unusable_reason",
+    "granted_cpu_count",
     "granted_device",
     "granted_faiss_gpus",
     "granted_gpu_count",
@@ -42,6 +43,16 @@ def granted_gpu_count() -> int:
     if not ray.is_initialized():
         return 0
     return len(ray.get_gpu_ids())
+
+
+def granted_cpu_count() -> int:
+    """Whole CPUs Ray granted the calling task or actor, at least 1 (1 outside Ray): the
+    thread count its native libraries (FAISS's OpenMP) should use."""
+    import ray
+
+    if not ray.is_initialized():
+        return 1
+    return max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 0)))
 
 
 def _driver_version() -> str:

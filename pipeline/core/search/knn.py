@@ -113,6 +113,7 @@ def train_index(
     *,
     ngpu: int = -1,
     niter: int | None = None,
+    threads: int | None = None,
 ):
     """An empty, trained CPU index for `factory` (IVF/PQ codebooks learned on `sample`).
 
@@ -125,6 +126,8 @@ def train_index(
         ngpu: GPUs for the k-means assignment step (-1 all, 0 CPU); the index stays on CPU.
         niter: k-means iterations for the coarse quantizer and the PQ codebooks (FAISS
             default when None); the main knob on training time.
+        threads: OpenMP threads while training (None: the process's own). Centroids differ
+            bitwise with it (and on a GPU); neighbours within `tests/test_knn.py`'s tolerance.
 
     Returns:
         A trained `faiss.Index` with METRIC_INNER_PRODUCT and no vectors.
@@ -146,6 +149,8 @@ def train_index(
             ivf.cp.niter = niter
             if getattr(concrete, "pq", None) is not None:
                 concrete.pq.cp.niter = niter
+    previous = lib.omp_get_max_threads()
+    lib.omp_set_num_threads(threads or previous)
     clustering = None
     if ngpu > 0 and ivf is not None:
         # The k-means assignment dominates training; faiss's own benchmarks put it on the GPU
@@ -153,6 +158,7 @@ def train_index(
         clustering = lib.index_cpu_to_all_gpus(lib.IndexFlatIP(sample.shape[1]), ngpu=ngpu)
         ivf.clustering_index = clustering
     index.train(sample)
+    lib.omp_set_num_threads(previous)
     if ivf is not None:
         ivf.clustering_index = None
     if clustering is not None:

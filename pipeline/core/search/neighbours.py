@@ -107,9 +107,13 @@ class IndexStore:
         self.parts = []
 
     def train(
-        self, sample_size: int = 131_072, modalities: Sequence[str] = MODALITIES
+        self,
+        sample_size: int = 131_072,
+        modalities: Sequence[str] = MODALITIES,
+        threads: int | None = None,
     ) -> dict[str, np.ndarray]:
         """Train the factory on this store's rows; the serialized empty indexes by modality.
+        k-means runs on the store's GPUs, else on `threads` OpenMP threads (`train_index`).
 
         Each modality trains on its own rows alone, so `train(modalities=("image",))` and
         `train(modalities=("text",))` in two processes give exactly what one `train()` gives
@@ -129,7 +133,9 @@ class IndexStore:
         out = {}
         for name, rows in stacked.items():
             pick = np.random.default_rng(self.seed).permutation(rows.shape[0])[:sample_size]
-            trained = train_index(self.factory, rows[np.sort(pick)], ngpu=len(self.gpus))
+            trained = train_index(
+                self.factory, rows[np.sort(pick)], ngpu=len(self.gpus), threads=threads
+            )
             out[name] = faiss.serialize_index(trained)
         return out
 

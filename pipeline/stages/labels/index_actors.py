@@ -46,6 +46,7 @@ __all__ = [
     "build_index_actors",
     "remove_restore_tables",
     "save_indexes",
+    "train_options",
     "train_task",
 ]
 
@@ -182,12 +183,22 @@ def train_task(
     dim: int, factory: str, nprobe: int | None, seed: int, modality: str, *parts: dict
 ) -> dict:
     """One modality's IVF/PQ codebooks, trained on one store's rows (a plain task: lineage
-    can redo it). The modalities train as two tasks: k-means runs on one thread (FAISS's
-    centroids differ bitwise between 1 and 2 OpenMP threads), so two tasks are how both
-    CPUs of a node work on it without changing the index."""
-    store = IndexStore(dim, factory, nprobe, seed)
+    can redo it). k-means runs on the GPUs Ray granted the task (`train_options`: those of an
+    index actor), else on as many OpenMP threads as CPUs it was granted: one by default, and
+    the modalities train as two tasks, so two CPUs of a node work on it at once."""
+    from pipeline.runtime.devices import granted_cpu_count, granted_faiss_gpus
+
+    gpus = granted_faiss_gpus("codebook training task")
+    store = IndexStore(dim, factory, nprobe, seed, gpus=gpus)
     store.add(*parts)
-    return store.train(modalities=(modality,))
+    return store.train(modalities=(modality,), threads=granted_cpu_count())
+
+
+def train_options(spec: LabelSpec) -> dict:
+    """Ray options of `train_task`: a GPU index trains on the GPUs an index actor gets (free
+    then: the actors start after training), a CPU one on one CPU."""
+    gpus = spec.index.gpus_per_actor
+    return {"num_cpus": 1, "max_retries": 3, **({"num_gpus": gpus} if gpus > 0 else {})}
 
 
 def _restore_dir(spec: LabelSpec) -> str:
@@ -218,7 +229,7 @@ def build_index_actors(spec: LabelSpec, row_refs: list, dim: int) -> tuple[list,
     trained = [None] * len(MODALITIES)
     if spec.index.factory.replace(" ", "") != "Flat":
         # Refs: the codebooks go task -> actors without passing through the driver.
-        task = ray.remote(train_task).options(num_cpus=1, max_retries=3)
+        task = ray.remote(train_task).options(**train_options(spec))
         trained = [task.remote(*index, modality, *parts[0]) for modality in MODALITIES]
     # Resources only for a GPU index: once any resource is given Ray holds the actor's CPU for
     # its whole life instead of only to place it, and `index.shards` CPU actors on a 2-CPU node
