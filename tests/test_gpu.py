@@ -1,7 +1,7 @@
-"""GPU use follows Ray's grant, and FAISS on GPU: run by `benchmarks/gpu_check.sh` on a GPU
-machine (marked `gpu`: skipped without an NVIDIA GPU, failed when one is there but CUDA is not
-usable, see tests/conftest.py). Written against the torch/faiss/Ray documentation; not yet
-run on a GPU (README, GPU section)."""
+"""GPU use follows Ray's grant, and FAISS on GPU: run by `benchmarks/gpu_check.py --part
+pipeline` on a GPU machine (marked `gpu`: skipped without an NVIDIA GPU, failed when one is
+there but CUDA is not usable, see tests/conftest.py). Written against the torch/faiss/Ray
+documentation; not yet run on a GPU (README, GPU section)."""
 
 from __future__ import annotations
 
