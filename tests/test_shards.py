@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from pipeline.io.shard_patterns import _expand_braces
+import pipeline.io.shard_patterns as shard_patterns
 from pipeline.io.shards import (
     QUARANTINE_REASONS,
     DecodedSample,
@@ -35,6 +35,13 @@ from pipeline.io.shards import (
 )
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _expanded(pattern: str) -> list[str]:
+    """`pattern`'s brace expansion through the public function, without any file: a `pipe:`
+    spec is expanded and never opened or checked."""
+    commands = expand_shard_patterns(f"pipe:cat {pattern}", allow_pipe=True)
+    return [c.removeprefix("pipe:cat ") for c in commands]
 
 
 def _touch_tars(directory: Path, names: list[str]) -> list[str]:
@@ -230,14 +237,14 @@ def test_brace_range_property(start, length, extra_width):
     stop = start + length
     width = len(str(stop)) + extra_width
     first, last = f"{start:0{width}d}", f"{stop:0{width}d}"
-    names = _expand_braces(f"/d/{{{first}..{last}}}.tar")
+    names = _expanded(f"/d/{{{first}..{last}}}.tar")
     assert len(names) == len(set(names)) == stop - start + 1
     numbers = [int(Path(n).stem) for n in names]
     assert numbers == list(range(start, stop + 1))
     padded = width > 1 and first.startswith("0")
     if padded:
         assert all(len(Path(n).stem) == width for n in names)
-    assert _expand_braces(f"{{{last}..{first}}}") == [Path(n).stem for n in reversed(names)]
+    assert _expanded(f"/d/{{{last}..{first}}}.tar") == list(reversed(names))
 
 
 # --------------------------------------------------------------------------- corrupt shard
@@ -549,6 +556,22 @@ def test_abandoning_the_iterator_closes_the_shard(tmp_path):
 
 def test_stepped_brace_ranges_stop_at_the_end_point():
     """As bash: a step never carries the range past its end point."""
-    assert _expand_braces("{0..20..3}") == ["0", "3", "6", "9", "12", "15", "18"]
-    assert _expand_braces("{20..0..3}") == ["20", "17", "14", "11", "8", "5", "2"]
-    assert _expand_braces("{00..10..5}") == ["00", "05", "10"]
+    assert _expanded("{0..20..3}") == ["0", "3", "6", "9", "12", "15", "18"]
+    assert _expanded("{20..0..3}") == ["20", "17", "14", "11", "8", "5", "2"]
+    assert _expanded("{00..10..5}") == ["00", "05", "10"]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "message"),
+    [
+        ("/d/{0..9..0}.tar", "step must not be 0"),
+        ("/d/{00000..00003.tar", "unbalanced braces"),
+        ("/d/{0..9}{0..9}{0..9}.tar", "more than 100 names"),
+    ],
+)
+def test_bad_brace_patterns_are_refused_in_one_sentence(monkeypatch, pattern, message):
+    monkeypatch.setattr(shard_patterns, "_MAX_EXPANSION", 100)  # the guard on many names
+    with pytest.raises(ShardPatternError, match=message) as refused:
+        expand_shard_patterns(pattern)
+    assert pattern in str(refused.value) and "\n" not in str(refused.value)
+    assert len(_expanded("/d/{0..9}{0..9}.tar")) == 100

@@ -18,6 +18,7 @@ Contract (part of :mod:`pipeline.io.shards`, docs/architecture.md §4.1):
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -25,6 +26,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from braceexpand import (  # type: ignore[attr-defined]  # the stub omits the exception
+    UnbalancedBracesError,
+    braceexpand,
+)
 from fsspec.core import url_to_fs
 
 from pipeline.errors import UserError
@@ -44,7 +49,7 @@ _SHARD_IN_COMMAND_RE = re.compile(
     r"([^/\s'\"|;&?#=]+?)\.(?:tar(?:\.(?:gz|bz2|xz|zst|lz4))?|tgz|tbz2?|txz)(?=$|[\s'\"|;&?#])",
     re.I,
 )
-_RANGE_RE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?$")
+_RANGE_RE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?\}")  # a numeric brace range
 _GLOB_CHARS = frozenset("*?[")
 
 
@@ -55,89 +60,34 @@ class ShardPatternError(UserError, ValueError):
 # --------------------------------------------------------------------------- brace expansion
 
 
-def _matching_brace(text: str, start: int) -> int | None:
-    """Index of the ``}`` closing the ``{`` at ``start``, or None when unbalanced."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-    return None
-
-
-def _split_top_level(body: str) -> list[str]:
-    """Split a brace body on commas that are not inside nested braces."""
-    parts, depth, last = [], 0, 0
-    for i, ch in enumerate(body):
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(body[last:i])
-            last = i + 1
-    parts.append(body[last:])
-    return parts
-
-
-def _expand_range(match: re.Match[str], pattern: str) -> list[str]:
-    first, last, step_text = match.group(1), match.group(2), match.group(3)
-    start, stop = int(first), int(last)
-    step = abs(int(step_text)) if step_text else 1
-    if step == 0:
-        raise ShardPatternError(f"brace range step must not be 0 in {pattern!r}")
-    count = abs(stop - start) // step + 1
-    if count > _MAX_EXPANSION:
-        raise ShardPatternError(
-            f"brace range in {pattern!r} expands to {count} names (limit {_MAX_EXPANSION}); "
-            "check the range bounds"
-        )
-
-    # Bash semantics: a leading zero on either endpoint pads every number to the wider endpoint.
-    def padded(text: str) -> bool:
-        digits = text.lstrip("-")
-        return len(digits) > 1 and digits.startswith("0")
-
-    width = max(len(first), len(last)) if padded(first) or padded(last) else 0
-    direction = step if stop >= start else -step
-    # `count` values, as bash: {0..20..3} ends at 18, never past the end point.
-    return [f"{start + i * direction:0{width}d}" for i in range(count)]
-
-
 def _expand_braces(pattern: str) -> list[str]:
-    """Expand the first valid brace expression in ``pattern``, recursively.
+    """``pattern``'s brace expansion (bash's rules, by `braceexpand`: ``{a,b}``, nesting,
+    ``{0..9}``, zero padding, ``{first..last..step}`` in either direction; ``{x}`` and ``{}``
+    stay literal; backslashes are path characters, not escapes).
 
-    A brace pair holding neither a top-level comma nor a numeric range (``{x}``, ``{}``) is kept
-    literally, as in bash.
+    Refused in one sentence: unbalanced braces, a zero step, and more than `_MAX_EXPANSION`
+    names (a range is sized before anything is generated, since `braceexpand` builds a
+    range's names whole).
     """
-    i = 0
-    while i < len(pattern):
-        if pattern[i] != "{":
-            i += 1
-            continue
-        end = _matching_brace(pattern, i)
-        if end is None:
-            break
-        body = pattern[i + 1 : end]
-        range_match = _RANGE_RE.match(body)
-        if range_match:
-            alternatives = _expand_range(range_match, pattern)
-        else:
-            parts = _split_top_level(body)
-            if len(parts) < 2:
-                i += 1  # literal '{'; a valid expression may still be nested inside it
-                continue
-            alternatives = [alt for part in parts for alt in _expand_braces(part)]
-        prefix, suffixes = pattern[:i], _expand_braces(pattern[end + 1 :])
-        if len(alternatives) * len(suffixes) > _MAX_EXPANSION:
+    for match in _RANGE_RE.finditer(pattern):
+        first, last, step = int(match.group(1)), int(match.group(2)), match.group(3)
+        if step is not None and int(step) == 0:
+            raise ShardPatternError(f"brace range step must not be 0 in {pattern!r}")
+        count = abs(last - first) // (abs(int(step)) if step else 1) + 1
+        if count > _MAX_EXPANSION:
             raise ShardPatternError(
-                f"{pattern!r} expands to more than {_MAX_EXPANSION} names; check the braces"
+                f"brace range in {pattern!r} expands to {count} names (limit {_MAX_EXPANSION}); "
+                "check the range bounds"
             )
-        return [prefix + alt + suffix for alt in alternatives for suffix in suffixes]
-    return [pattern]
+    try:
+        names = list(itertools.islice(braceexpand(pattern, escape=False), _MAX_EXPANSION + 1))
+    except UnbalancedBracesError:
+        raise ShardPatternError(f"unbalanced braces in shard pattern {pattern!r}") from None
+    if len(names) > _MAX_EXPANSION:
+        raise ShardPatternError(
+            f"{pattern!r} expands to more than {_MAX_EXPANSION} names; check the braces"
+        )
+    return names
 
 
 # --------------------------------------------------------------------------- existence checks
