@@ -11,6 +11,9 @@ Contract (part of :mod:`pipeline.io.shards`, docs/architecture.md §4.1):
   Text is strict UTF-8, metadata a JSON object. Nothing is ever unpickled.
 * Every mode becomes RGB: transparency is composited onto white, 16-bit greyscale is scaled to
   8 bits, EXIF orientation is not applied (as in open_clip's training loaders).
+* ``pixels=False`` runs every check but the pixel decode (the header is read for the format
+  and the pixel limit) and keeps the image's bytes, for a caller that decodes them elsewhere
+  (on a GPU: :func:`pipeline.models.encode.decode_pixels`) and records its failures itself.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pipeline.io.records import (
     Rejection,
 )
 
-__all__ = ["DecodeOptions", "DecodedSample", "decode_record"]
+__all__ = ["DecodeOptions", "DecodedSample", "decode_image", "decode_record"]
 
 # PIL format names tried for every image member: img2dataset's extension reflects the
 # requested output format, not necessarily the bytes, so any allowed format is accepted for
@@ -71,13 +74,15 @@ class DecodedSample:
 
     key: str
     shard: str
-    image: Image.Image  # mode RGB, pixels loaded, independent of the source bytes
+    image: Image.Image | None  # mode RGB, pixels loaded; None when decoded with pixels=False
     caption: str  # UTF-8 decoded, surrounding whitespace stripped
     url: str | None  # from the sample's json "url" when present
     meta: dict[str, Any]  # the parsed json object, {} when the sample has no json
     # hex sha256 of the image member's raw bytes (as stored in the tar): identical files, the
     # same image (RCR ranks unique images, docs/methods.md §6.3); "" when not computed.
     image_sha256: str = ""
+    image_bytes: bytes = b""  # pixels=False: the member's bytes, undecoded
+    image_format: str = ""  # pixels=False: "JPEG", "PNG" or "WEBP", from the header
 
 
 # --------------------------------------------------------------------------- checks
@@ -160,8 +165,11 @@ def _metadata(record: RawRecord) -> tuple[dict[str, Any], str | None] | Rejectio
     return meta, url
 
 
-def _image(record: RawRecord, image_ext: str, max_image_pixels: int) -> Image.Image | Rejection:
-    """The decoded RGB image (``image_too_large`` / ``undecodable_image``)."""
+def _image(
+    record: RawRecord, image_ext: str, max_image_pixels: int, load: bool = True
+) -> Image.Image | str | Rejection:
+    """The decoded RGB image, or with `load` False its format name after the header checks
+    (``image_too_large`` / ``undecodable_image``)."""
     image_bytes = record.members[image_ext]
     try:
         with Image.open(BytesIO(image_bytes), formats=list(_PIL_FORMATS)) as image:
@@ -174,6 +182,8 @@ def _image(record: RawRecord, image_ext: str, max_image_pixels: int) -> Image.Im
                     f"{width}x{height} = {width * height} pixels exceeds "
                     f"max_image_pixels={max_image_pixels}",
                 )
+            if not load:
+                return str(image.format)
             image.load()
             return _to_rgb(image)
     except Image.DecompressionBombError as exc:  # PIL's own limit, hit while reading the header
@@ -192,8 +202,16 @@ def _image(record: RawRecord, image_ext: str, max_image_pixels: int) -> Image.Im
 # --------------------------------------------------------------------------- decoding
 
 
+def decode_image(data: bytes) -> Image.Image:
+    """The RGB image of bytes that passed :func:`decode_record`'s checks with ``pixels=False``
+    (the same formats and mode conversions); raises what PIL raises on a bad file."""
+    with Image.open(BytesIO(data), formats=list(_PIL_FORMATS)) as image:
+        image.load()
+        return _to_rgb(image)
+
+
 def decode_record(
-    record: RawRecord, options: DecodeOptions = DecodeOptions()
+    record: RawRecord, options: DecodeOptions = DecodeOptions(), *, pixels: bool = True
 ) -> DecodedSample | Rejection:
     """Decode one sample's members into an RGB image, a caption and metadata.
 
@@ -203,6 +221,7 @@ def decode_record(
     Args:
         record: Members from :func:`iter_shard_records`.
         options: Which members to use and the pixel limit.
+        pixels: False: check the header only and keep the image bytes (module docstring).
 
     Returns:
         A :class:`DecodedSample`, or a :class:`Rejection` naming the key, shard, member and the
@@ -218,16 +237,19 @@ def decode_record(
     metadata = _metadata(record)
     if isinstance(metadata, Rejection):
         return metadata
-    rgb = _image(record, image_ext, options.max_image_pixels)
+    rgb = _image(record, image_ext, options.max_image_pixels, load=pixels)
     if isinstance(rgb, Rejection):
         return rgb
     meta, url = metadata
+    image_bytes = record.members[image_ext]
     return DecodedSample(
         key=record.key,
         shard=record.shard,
-        image=rgb,
+        image=rgb if pixels else None,
         caption=caption,
         url=url,
         meta=meta,
-        image_sha256=hashlib.sha256(record.members[image_ext]).hexdigest(),
+        image_sha256=hashlib.sha256(image_bytes).hexdigest(),
+        image_bytes=b"" if pixels else image_bytes,
+        image_format="" if pixels else rgb,
     )

@@ -1,14 +1,24 @@
 """Training data: the deterministic per-epoch order, the label join by key at read time, and
-the per-row targets of the epoch's co-teaching phase (see the package docstring)."""
+the per-row targets of the epoch's co-teaching phase (see the package docstring).
+
+A reader task holds one shard's admitted samples as their encoded bytes (a pipeline run: the
+round-0 embed pass decoded them) or, without an embed pass, as model-resolution uint8 pixels
+(decoded once to check them), never as full-size images; it decodes a chunk of the epoch's
+order at a time, resized and cropped to the model's resolution, and ships uint8 pixels
+(4x fewer bytes than float32). `epoch_batches` normalises them where Ray Data delivers the
+batch (the training worker's device): the eval transform's own operations, so the pixels are
+bit-identical to the transform's (tests/test_pixels.py).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
 import zlib
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +32,7 @@ from pipeline.core.coteach import (
     training_targets,
 )
 from pipeline.io.admitted import ShardChangedError, fingerprint_change, read_reference
+from pipeline.io.decode import decode_image
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import (
     DecodeOptions,
@@ -32,6 +43,7 @@ from pipeline.io.shards import (
     shard_name,
 )
 from pipeline.models import ModelSpec, load_transforms
+from pipeline.models.encode import PixelSpec, normalize_pixels, pil_pixels, pixel_spec
 from pipeline.stages.train.spec import TrainSpec, ViewSpec
 
 __all__ = [
@@ -45,6 +57,11 @@ __all__ = [
 ]
 
 TARGET_STATS = ("pairs", "weight", "reliable", "proxy")  # per-epoch sums, in the history
+# Reader tasks (one CPU each) a GPU training worker's views run at once, shared by its views:
+# a CPU decodes and resizes a few hundred JPEGs a second with PIL, and one GPU trains a
+# ViT-B-32 on a few thousand, so a GPU node needs about this many free CPUs per GPU besides
+# the training worker's own.
+READER_CPUS_PER_GPU = 8
 
 logger = logging.getLogger(__name__)
 
@@ -256,6 +273,72 @@ def _shard_rows(view, phase, labels, samples, extras) -> dict:
     return rows
 
 
+@functools.lru_cache(maxsize=4)
+def _transforms(model: ModelSpec) -> tuple[Callable, Callable, PixelSpec | None]:
+    """(eval transform, tokenizer, its PixelSpec or None when it is not the usual resize +
+    crop + normalise: then readers ship the transform's float32 pixels)."""
+    preprocess, tokenizer = load_transforms(model)
+    try:
+        return preprocess, tokenizer, pixel_spec(preprocess)
+    except ValueError:
+        return preprocess, tokenizer, None
+
+
+def _model_pixels(image, model: ModelSpec) -> np.ndarray:
+    """(3, H, W) at the model's resolution: uint8, or float32 for an unusual transform."""
+    preprocess, _, spec = _transforms(model)
+    return pil_pixels(image, spec) if spec is not None else preprocess(image).numpy()
+
+
+def _shard_samples(path: str, decode: DecodeOptions, labels, reference, model: ModelSpec):
+    """The shard's usable samples (pixels not decoded: `image_bytes` kept) and, per sample,
+    its pixels: the bytes when the embed pass admitted it (it decoded them), else decoded now
+    at model resolution, which also checks them."""
+    samples, held = [], []
+    stats = ShardReadStats()
+    for record in iter_shard_records(path, stats):
+        if isinstance(record, Rejection):
+            continue
+        if reference is not None and record.key not in reference.keys:
+            continue
+        sample = decode_record(record, decode, pixels=reference is None)
+        if isinstance(sample, Rejection):
+            continue
+        if labels is not None and sample.key not in labels.row:
+            continue
+        samples.append(sample)
+        held.append(
+            sample.image_bytes if reference is not None else _model_pixels(sample.image, model)
+        )
+        if reference is None:
+            samples[-1] = dataclasses.replace(sample, image=None)  # full size: not kept
+    changed = reference and fingerprint_change(path, reference, stats.size, stats.sha256)
+    if changed:
+        raise ShardChangedError(f"{changed}; rerun to embed it again")
+    return samples, held
+
+
+def _chunk_pixels(held, picks, model: ModelSpec, shard: str, samples) -> list:
+    """Per picked sample, its model-resolution pixels (None: its bytes no longer decode)."""
+    out = []
+    for i in picks:
+        item = held[i]
+        if isinstance(item, bytes):
+            try:
+                item = _model_pixels(decode_image(item), model)
+            except Exception as exc:  # the round-0 decode (maybe on a GPU) took it
+                logger.warning(
+                    "shard %s, sample %s: image does not decode on CPU (%s: %s); row left out",
+                    shard,
+                    samples[i].key,
+                    type(exc).__name__,
+                    exc,
+                )
+                item = None
+        out.append(item)
+    return out
+
+
 def read_training_batches(
     batch: dict[str, np.ndarray],
     *,
@@ -268,7 +351,7 @@ def read_training_batches(
     rows_per_batch: int = 256,
     text_proxies: dict[str, list] | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Ray Data UDF: shard paths in, decoded + preprocessed + labelled rows out (streamed).
+    """Ray Data UDF: shard paths in, labelled rows with model-resolution pixels out (streamed).
 
     Only the keys the round-0 embed pass admitted (`admitted_dir`/<shard>.parquet: not
     quarantined, not a corpus-wide duplicate) are used; a decodable sample whose key is missing
@@ -276,40 +359,30 @@ def read_training_batches(
     clean pairs only). `text_proxies` (shard -> SPS text-direction proxy pairs whose proxy image
     is in that shard, `text_proxy_pairs`) adds rows: the image once more, with a noisy caption.
     A shard whose bytes differ from what the embed pass read raises `ShardChangedError` before
-    any of its rows is used.
+    any of its rows is used. "pixels" are (B, 3, H, W) uint8 (float32, normalised, for a model
+    whose transform `pixel_spec` does not describe); images are decoded a chunk at a time.
     """
-    preprocess, tokenizer = load_transforms(model)
+    _, tokenizer, _ = _transforms(model)
     for path in batch["path"]:
         path = str(path)
         shard = shard_name(path)
         labels = _read_shard_labels(view, shard)
         reference = read_reference(f"{admitted_dir}/{shard}.parquet") if admitted_dir else None
-        samples = []
-        stats = ShardReadStats()
-        for record in iter_shard_records(path, stats):
-            if isinstance(record, Rejection):
-                continue
-            if reference is not None and record.key not in reference.keys:
-                continue
-            sample = decode_record(record, decode)
-            if isinstance(sample, Rejection):
-                continue
-            if labels is not None and sample.key not in labels.row:
-                continue
-            samples.append(sample)
-        changed = reference and fingerprint_change(path, reference, stats.size, stats.sha256)
-        if changed:
-            raise ShardChangedError(f"{changed}; rerun to embed it again")
+        samples, held = _shard_samples(path, decode, labels, reference, model)
         rows = _shard_rows(view, phase, labels, samples, (text_proxies or {}).get(shard, []))
         order = np.random.default_rng([view.seed, epoch, zlib.crc32(shard.encode())]).permutation(
             len(rows["sample"])
         )
         for start in range(0, len(order), rows_per_batch):
             chunk = order[start : start + rows_per_batch]
+            picks = [rows["sample"][i] for i in chunk]
+            pixels = _chunk_pixels(held, picks, model, shard, samples)
+            kept = np.array([p is not None for p in pixels], dtype=bool)
+            chunk = chunk[kept]
+            if not len(chunk):
+                continue
             out = {
-                "pixels": torch.stack(
-                    [preprocess(samples[rows["sample"][i]].image) for i in chunk]
-                ).numpy(),
+                "pixels": np.stack([p for p in pixels if p is not None]),
                 "tokens": tokenizer([rows["caption"][i] for i in chunk]).numpy(),
             }
             for name in ("weight", "reliable", "proxy", "image_group", "text_group"):
@@ -353,6 +426,13 @@ def epoch_batches(spec: TrainSpec, view: ViewSpec, epoch: int, rank: int, world:
     dataset = dataset.map_batches(
         read_training_batches,
         batch_size=1,
+        num_cpus=1,
+        # On CPU the trainer shares the node's cores with its readers: Ray Data's default.
+        compute=(
+            ray.data.TaskPoolStrategy(size=max(1, READER_CPUS_PER_GPU // len(spec.views)))
+            if spec.use_gpu
+            else None
+        ),
         fn_kwargs={
             "model": view.init,
             "decode": spec.decode,
@@ -363,12 +443,13 @@ def epoch_batches(spec: TrainSpec, view: ViewSpec, epoch: int, rank: int, world:
             "text_proxies": _text_proxies(spec, view, phase, shards),
         },
     )
-    return dataset.iter_torch_batches(
+    _, _, pixels = _transforms(view.init)
+    batches = dataset.iter_torch_batches(
         batch_size=spec.train.batch_size,
         drop_last=True,
         prefetch_batches=2,
         dtypes={
-            "pixels": torch.float32,
+            "pixels": torch.uint8 if pixels is not None else torch.float32,
             "tokens": torch.int64,
             "weight": torch.float32,
             "reliable": torch.float32,
@@ -377,6 +458,15 @@ def epoch_batches(spec: TrainSpec, view: ViewSpec, epoch: int, rank: int, world:
             "text_group": torch.int64,
         },
     )
+    return batches if pixels is None else _normalised(batches, pixels)
+
+
+def _normalised(batches, pixels: PixelSpec):
+    """The batches with uint8 pixels normalised to float32 where Ray Data put them (the
+    worker's device under Ray Train)."""
+    for batch in batches:
+        batch["pixels"] = normalize_pixels(batch["pixels"], pixels)  # (B, 3, H, W) float32
+        yield batch
 
 
 def steps_per_epoch(spec: TrainSpec, world: int) -> int:

@@ -1,0 +1,98 @@
+"""The training reader ships uint8 pixels at model resolution, decoded a chunk at a time, and
+after normalisation they are the eval transform's float32 pixels bit for bit, so training on
+CPU sees exactly the batches of the float32 reader before it (tolerance 0), with or without
+the embed pass's admission record."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+from shard_fixtures import write_tar
+from test_pixels import SIZES, scene_jpeg
+
+from pipeline.core.coteach import Phase
+from pipeline.io.admitted import SHARD_BYTES_KEY, SHARD_SHA256_KEY
+from pipeline.io.decode import DecodeOptions
+from pipeline.models import ModelSpec, load_transforms
+from pipeline.models.encode import normalize_pixels, pixel_spec
+from pipeline.stages.train.data import read_training_batches
+from pipeline.stages.train.spec import ViewSpec
+
+MODEL = ModelSpec("ncl-tiny", None)
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory):
+    """One tar of scene JPEGs of several sizes (some larger than the model's 64 px), one of
+    them broken, and the expected float32 pixels by caption."""
+    preprocess, _ = load_transforms(MODEL)
+    members, expected = [], {}
+    for i in range(12):
+        blob = scene_jpeg(SIZES[i % len(SIZES)], seed=i)
+        caption = f"caption number {i}"
+        members += [(f"k{i:02d}.jpg", blob), (f"k{i:02d}.txt", caption.encode())]
+        expected[caption] = preprocess(Image.open(io.BytesIO(blob)).convert("RGB"))
+    members += [("bad.jpg", b"\xff\xd8 not a jpeg"), ("bad.txt", b"broken image")]
+    path = tmp_path_factory.mktemp("reader") / "00000.tar"
+    write_tar(str(path), members)
+    return str(path), expected
+
+
+def _read(path, admitted_dir=None, rows_per_batch=5):
+    view = ViewSpec(name="A", init=MODEL, seed=3)
+    return list(
+        read_training_batches(
+            {"path": np.array([path])},
+            model=MODEL,
+            decode=DecodeOptions(),
+            view=view,
+            epoch=1,
+            phase=Phase(noisy=True, quasi_clean=True),
+            admitted_dir=admitted_dir,
+            rows_per_batch=rows_per_batch,
+        )
+    )
+
+
+def _check(batches, expected) -> list[str]:
+    _, tokenizer = load_transforms(MODEL)
+    spec = pixel_spec(load_transforms(MODEL)[0])
+    by_tokens = {tuple(tokenizer([c]).numpy()[0]): c for c in expected}
+    seen = []
+    for batch in batches:
+        assert batch["pixels"].dtype == np.uint8 and batch["pixels"].shape[1:] == (3, 64, 64)
+        pixels = normalize_pixels(torch.from_numpy(batch["pixels"]), spec)
+        for row, tokens in enumerate(batch["tokens"]):
+            caption = by_tokens[tuple(tokens)]
+            assert torch.equal(pixels[row], expected[caption]), caption
+            seen.append(caption)
+    return seen
+
+
+def test_reader_pixels_are_the_eval_transform_bit_for_bit(shard):
+    path, expected = shard
+    batches = _read(path)
+    assert [len(b["tokens"]) for b in batches] == [5, 5, 2]  # the broken sample is left out
+    assert sorted(_check(batches, expected)) == sorted(expected)
+
+
+def test_admitted_samples_are_decoded_per_chunk_with_the_same_pixels(shard, tmp_path):
+    path, expected = shard
+    keys = [f"k{i:02d}" for i in range(12) if i != 4]  # k04 was not admitted (a duplicate)
+    data = Path(path).read_bytes()
+    meta = {SHARD_BYTES_KEY: str(len(data)), SHARD_SHA256_KEY: hashlib.sha256(data).hexdigest()}
+    table = pa.table({"key": keys}).replace_schema_metadata(meta)
+    pq.write_table(table, tmp_path / "00000.parquet")
+    order_free = _read(path)
+    admitted = _read(path, admitted_dir=str(tmp_path))
+    seen = _check(admitted, expected)
+    assert sorted(seen) == sorted(c for c in expected if c != "caption number 4")
+    assert len(seen) == sum(len(b["tokens"]) for b in order_free) - 1
