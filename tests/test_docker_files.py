@@ -7,6 +7,7 @@ would break the image or the RayJob before someone finds out on a GPU cluster.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,15 +48,84 @@ def _containers(rayjob: dict) -> list[dict]:
 # rayjob.yaml
 
 
+def _job_mount(rayjob: dict) -> str:
+    """The path of the head container where the job file's ConfigMap is mounted."""
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    config_maps = {v["name"] for v in head["volumes"] if "configMap" in v}
+    mounts = [m for m in head["containers"][0]["volumeMounts"] if m["name"] in config_maps]
+    assert len(mounts) == 1, "the head must mount the job file's ConfigMap once"
+    return mounts[0]["mountPath"]
+
+
 def test_rayjob_kind_and_entrypoint(rayjob):
     assert rayjob["apiVersion"] == "ray.io/v1"
     assert rayjob["kind"] == "RayJob"
     spec = rayjob["spec"]
     assert "ncl-pipeline run" in spec["entrypoint"]
     job_file = spec["entrypoint"].split("ncl-pipeline run", 1)[1].split()[0]
-    assert job_file.endswith("jobs/cc3m.yaml")
-    assert (REPO / "jobs" / "cc3m.yaml").is_file()
+    # The job file comes from the ConfigMap (a new job needs no image rebuild).
+    assert job_file.startswith(_job_mount(rayjob).rstrip("/") + "/")
     assert spec["shutdownAfterJobFinishes"] is True
+
+
+def _gpu_workers(rayjob: dict) -> int:
+    groups = rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    return sum(
+        g["replicas"] * int(g["template"]["spec"]["containers"][0]["resources"]["limits"].get(
+            "nvidia.com/gpu", 0))
+        for g in groups
+    )  # fmt: skip
+
+
+def test_cc3m_trains_on_every_gpu_of_the_rayjob(rayjob):
+    from pipeline.config import load_job
+
+    job = load_job(REPO / "jobs" / "cc3m.yaml")
+    assert job.train.workers == _gpu_workers(rayjob) == 4
+
+
+def test_gpu_pods_tolerate_the_gpu_taint_and_size_the_object_store(rayjob):
+    spec = rayjob["spec"]["rayClusterSpec"]
+    pods = [(spec["headGroupSpec"]["rayStartParams"], spec["headGroupSpec"]["template"])]
+    pods += [(g["rayStartParams"], g["template"]) for g in spec["workerGroupSpecs"]]
+    units = {"Gi": 1024**3, "Mi": 1024**2}
+    for params, pod in pods:
+        container = pod["spec"]["containers"][0]
+        if "nvidia.com/gpu" in container["resources"]["limits"]:
+            taints = {(t["key"], t.get("effect")) for t in pod["spec"].get("tolerations", [])}
+            assert ("nvidia.com/gpu", "NoSchedule") in taints
+        (shm,) = [v for v in pod["spec"]["volumes"] if v["name"] == "dshm"]
+        limit = shm["emptyDir"]["sizeLimit"]
+        shm_bytes = int(limit[:-2]) * units[limit[-2:]]
+        store = int(params["object-store-memory"])
+        memory = container["resources"]["limits"]["memory"]
+        # Ray's object store fits /dev/shm, which fits the pod's memory limit.
+        assert store < shm_bytes < int(memory[:-2]) * units[memory[-2:]]
+
+
+def test_image_can_run_the_gpu_check(dockerfile):
+    """The kernels part's modules come with the image's install, and the script is copied."""
+    import tomllib
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    install = next(ln for ln in _instructions(dockerfile) if re.search(r"pip install .*\.\[", ln))
+    extras = re.search(r"\.\[([\w,]+)\]", install).group(1).split(",")
+    installed = pyproject["dependencies"] + [
+        d for extra in extras for d in pyproject["optional-dependencies"][extra]
+    ]
+    names = {re.match(r"[\w-]+", d).group(0).lower().replace("_", "-") for d in installed}
+    for module, dist in gpu_check.KERNEL_DEPS.items():
+        wanted = re.match(r"[\w-]+", dist).group(0).lower().replace("_", "-")
+        assert wanted in names, f"{module}: the image does not install {dist}"
+    copies = [ln for ln in _instructions(dockerfile) if ln.startswith("COPY ")]
+    assert any("benchmarks/gpu_check.py" in ln for ln in copies)
+    ignore = (DOCKER / "Dockerfile.dockerignore").read_text(encoding="utf-8").splitlines()
+    assert "!benchmarks/gpu_check.py" in ignore  # in the build context
 
 
 def test_rayjob_gpu_workers(rayjob):
@@ -116,7 +186,7 @@ def test_dockerfile_from_uses_arg_tag(dockerfile):
 def test_dockerfile_installs_gpu_extra_without_cache(dockerfile):
     runs = [ln for ln in _instructions(dockerfile) if ln.startswith("RUN ")]
     pip_installs = [ln for ln in runs if "pip install" in ln]
-    assert any(".[gpu]" in ln for ln in pip_installs)
+    assert any(re.search(r"\.\[([\w,]*,)?gpu[,\]]", ln) for ln in pip_installs)
     assert all("--no-cache-dir" in ln for ln in pip_installs)
     assert not any("apt-get upgrade" in ln or "dist-upgrade" in ln for ln in runs)
     for ln in runs:

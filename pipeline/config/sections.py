@@ -363,6 +363,13 @@ class TrainConfig(_Section):
     checkpoint_every_steps: int = Field(
         200, ge=0, description="Resume checkpoints every N steps (and at epoch ends); 0 = epochs."
     )
+    checkpoint_every_s: float = Field(
+        0.0,
+        ge=0,
+        description="Resume checkpoints once this many seconds passed since the last (and at "
+        "epoch ends), beside checkpoint_every_steps; 0 = off. Time suits GPUs, whose steps are "
+        "short: a cadence in steps writes GBs every minute or two there.",
+    )
     max_failures: int = Field(
         3,
         ge=0,

@@ -37,7 +37,7 @@ from pipeline.stages.train.data import (
 from pipeline.stages.train.spec import TrainSpec, ViewSpec
 from pipeline.stages.train.sync import all_have, from_rank0, is_distributed, sum_across
 
-__all__ = ["NOT_RETRIED", "train_loop"]
+__all__ = ["NOT_RETRIED", "checkpoint_due", "train_loop"]
 
 logger = logging.getLogger(__name__)
 
@@ -395,6 +395,17 @@ def _say(board, text: str) -> None:
         logger.debug(text)
 
 
+def checkpoint_due(train, steps_done: int, since_save_s: float) -> bool:
+    """Whether rank 0 writes resume checkpoints after `steps_done` steps of an epoch, the last
+    one `since_save_s` seconds ago: every `train.checkpoint_every_steps` steps, or once
+    `train.checkpoint_every_s` seconds have passed (0 turns either off; epoch ends always save).
+    """
+    every = train.checkpoint_every_steps
+    if every and steps_done % every == 0:
+        return True
+    return bool(train.checkpoint_every_s) and since_save_s >= train.checkpoint_every_s
+
+
 def _run_epoch(
     spec, active, epoch, steps, rank, world, device, injected, board=None
 ) -> tuple[int, float]:
@@ -411,6 +422,7 @@ def _run_epoch(
     iterators = [epoch_batches(spec, t.view, epoch, rank, world) for t in active]
     steps_in = zip(*iterators, strict=False)
     started, seen = time.perf_counter(), 0
+    saved = started  # the last resume checkpoint (or the epoch's start)
     for index in range(steps):
         batches = next(steps_in, None)
         if not all_have(batches is not None, device):
@@ -426,10 +438,10 @@ def _run_epoch(
                 f"{t.view.name}={x:.3f}" for (t, _), x in zip(stepping, losses, strict=True)
             )
             _report(board, _epoch_name(spec, epoch), index + 1, steps, f"loss {names}")
-        every = spec.train.checkpoint_every_steps
-        if rank == 0 and every and (index + 1) % every == 0:
+        if rank == 0 and checkpoint_due(spec.train, index + 1, time.perf_counter() - saved):
             for t, _ in stepping:
                 t.save()
+            saved = time.perf_counter()
         if spec.fail_after_steps is not None and injected[0] >= spec.fail_after_steps:
             raise RuntimeError(f"injected failure after {injected[0]} steps (test only)")
     return seen, time.perf_counter() - started
