@@ -258,15 +258,23 @@ def decode_jpegs(blobs: Sequence[bytes], device: str | torch.device) -> list[tor
 
     if not blobs:
         return []
+    with warnings.catch_warnings():
+        # torchvision 0.29 deprecates its decoders in favour of TorchCodec (not a dependency
+        # here); one warning per chunk would flood a worker's log.
+        warnings.filterwarnings("ignore", "The image decoding", DeprecationWarning)
+        return _decode_jpegs(blobs, device, decode_jpeg, ImageReadMode.RGB)
+
+
+def _decode_jpegs(blobs, device, decode_jpeg, mode) -> list[torch.Tensor | str]:
     data = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) for blob in blobs]
     try:
-        return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
+        return list(decode_jpeg(data, mode=mode, device=device))
     except RuntimeError:
         pass
     out: list[torch.Tensor | str] = []
     for one in data:
         try:
-            out.append(decode_jpeg(one, mode=ImageReadMode.RGB, device=device))
+            out.append(decode_jpeg(one, mode=mode, device=device))
         except RuntimeError as exc:
             # torchvision prefixes its source location: "decode_jpeg, <file>:<line>, <why>".
             out.append(str(exc).splitlines()[0].rsplit(", ", 1)[-1])
