@@ -20,6 +20,7 @@ from pipeline.io.layout import RunLayout
 from pipeline.io.shards import expand_shard_patterns, shard_name
 from pipeline.io.tables import remove_path, write_json_atomic
 from pipeline.models import ModelSpec, check_weights_available
+from pipeline.models.fetch import fetch_weights
 from pipeline.run.failures import explain_failure
 from pipeline.run.interrupts import Interrupts, catch_interrupts
 from pipeline.run.lease import acquire_lease
@@ -238,6 +239,7 @@ def run_job(job: JobConfig) -> dict:
     views = model_specs(job)
     for spec in views.values():
         check_weights_available(spec)
+        fetch_weights(spec)  # once, here: the workers then find the weights cached
     with catch_interrupts() as interrupts, acquire_lease(layout, job.name):
         manifest = _check_resume(job, layout)
         return _run_held(job, layout, shard_paths, views, manifest, interrupts)
