@@ -80,6 +80,7 @@ test-fast: $(STAMP) browser
 
 lint: $(STAMP)
 	$(BIN)/ruff check pipeline tests benchmarks
+	$(BIN)/mypy --cache-dir $(VENV)/.mypy_cache
 
 bench: $(STAMP) $(DEMO_DATA)/val/ground_truth.parquet
 	$(BIN)/python benchmarks/embed.py

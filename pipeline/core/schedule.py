@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 __all__ = ["cosine_lr", "chance_loss", "WarmupState", "update_warmup"]
 
@@ -45,7 +46,7 @@ class WarmupState:
     stopped: bool = False
     reason: str = ""
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 

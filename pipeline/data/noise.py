@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -191,7 +192,7 @@ def _assign_donors(
 def _unrelated_caption(sample: Sample, rng: np.random.Generator) -> str:
     """A caption whose scene differs from `sample`'s in every attribute."""
     scene = sample.scene
-    changes = {}
+    changes: dict[str, Any] = {}
     for attribute in ATTRIBUTES:
         choices = _alternatives(dataclasses.replace(scene, **changes), attribute)
         changes[attribute] = choices[int(rng.integers(0, len(choices)))]

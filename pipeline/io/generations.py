@@ -67,17 +67,15 @@ def current_labels_folder(fs, root: str) -> str:
 def _generations(fs, root: str) -> list[str]:
     if not fs.isdir(root):
         return []
-    names = [_base(p) for p in fs.ls(root, detail=False)]
-    return sorted((n for n in names if _generation_number(n) is not None), key=_generation_number)
+    numbered = [(_generation_number(_base(p)), _base(p)) for p in fs.ls(root, detail=False)]
+    return [name for number, name in sorted((n, name) for n, name in numbered if n is not None)]
 
 
 def next_generation(fs, root: str) -> str:
     """A generation name not used under `root` yet (`gen-<n>`, n one more than the highest):
     a publish cut short leaves its folder, which the next publish skips and then removes."""
-    used = [_generation_number(n) for n in _generations(fs, root)]
-    current = current_generation(fs, root)
-    if current:
-        used.append(_generation_number(current))
+    names = [*_generations(fs, root), current_generation(fs, root) or ""]
+    used = [n for n in map(_generation_number, names) if n is not None]
     return f"{LABELS_GENERATION_PREFIX}{max(used, default=0) + 1}"
 
 

@@ -76,7 +76,7 @@ def _stream_subsets(dataset) -> tuple[int, dict[str, int], dict[str, float], np.
     batch: the driver never holds a whole column."""
     import pyarrow.compute as pc
 
-    n, counts, sums = 0, {}, {}
+    n, counts, sums = 0, dict[str, int](), dict[str, float]()
     histogram = np.zeros(_QUANTILE_BINS, dtype=np.int64)
     for batch in dataset.to_batches(columns=["subset", "soft_label"]):
         soft = batch.column("soft_label").to_numpy(zero_copy_only=False).astype(np.float64)

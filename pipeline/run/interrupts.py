@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from pipeline.errors import RunInterrupted
 
@@ -59,7 +60,7 @@ class Interrupts:
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}  # what signal.getsignal returned
         self._undo: list[Callable[[], None]] = []
 
     def _handle(self, signum: int, frame) -> None:

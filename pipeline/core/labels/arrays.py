@@ -9,7 +9,10 @@ __all__ = ["check_rows", "rowdot"]
 
 def rowdot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """(Q,) float64 row-wise inner products of two (Q, D) arrays (exact f32 products)."""
-    return (np.asarray(a, dtype=np.float64) * np.asarray(b, dtype=np.float64)).sum(axis=-1)
+    dots: np.ndarray = (np.asarray(a, dtype=np.float64) * np.asarray(b, dtype=np.float64)).sum(
+        axis=-1
+    )
+    return dots
 
 
 def check_rows(name: str, array: np.ndarray, rows: int) -> np.ndarray:

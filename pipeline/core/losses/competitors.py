@@ -44,7 +44,8 @@ def competitor_infonce(
         logits = logit_scale * np.concatenate([own, np.asarray(scores, np.float64)], axis=1)
         peak = logits.max(axis=1, keepdims=True)  # finite: the own term always is
         total = np.log(np.exp(logits - peak).sum(axis=1)) + peak[:, 0]
-        return (total - logits[:, 0]).astype(np.float32)
+        losses: np.ndarray = (total - logits[:, 0]).astype(np.float32)
+        return losses
 
     return one_way(text_scores), one_way(image_scores)
 

@@ -73,7 +73,10 @@ def triplet_per_sample(
 
 
 def batched_losses(
-    image_emb: torch.Tensor, text_emb: torch.Tensor, logit_scale: float, batchings: list
+    image_emb: torch.Tensor,
+    text_emb: torch.Tensor,
+    logit_scale: float,
+    batchings: list[list[tuple[np.ndarray, int]]],
 ) -> dict[str, np.ndarray]:
     """Per-sample InfoNCE (both directions) and triplet losses on fixed-size batches, each
     the mean over `batchings` (docs/methods.md §1.1; filler rows are scored but discarded).

@@ -88,7 +88,8 @@ def _finite_part(values: np.ndarray) -> np.ndarray:
     """The finite entries; the common all-finite case costs one min and one max, no copy."""
     if values.size and np.isfinite(values.min()) and np.isfinite(values.max()):
         return values  # min/max propagate NaN and show +-inf, so nothing else is non-finite
-    return values[np.isfinite(values)]
+    finite: np.ndarray = values[np.isfinite(values)]
+    return finite
 
 
 def histogram_range(losses: np.ndarray) -> tuple[float, float]:

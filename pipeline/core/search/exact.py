@@ -12,8 +12,8 @@ __all__ = ["exact_topk_torch"]
 
 
 def exact_topk_torch(
-    queries,
-    database,
+    queries: np.ndarray,
+    database: np.ndarray,
     k: int,
     *,
     device: str | None = None,
