@@ -41,7 +41,10 @@ def order_keys(values: np.ndarray) -> np.ndarray:
     bits = (np.asarray(values, dtype=np.float32) + np.float32(0.0)).view(np.uint32)
     bits = bits.astype(np.uint64)
     negative = (bits >> np.uint64(31)) == 1
-    return np.where(negative, bits ^ np.uint64(0xFFFFFFFF), bits | np.uint64(0x80000000))
+    keys: np.ndarray = np.where(
+        negative, bits ^ np.uint64(0xFFFFFFFF), bits | np.uint64(0x80000000)
+    )
+    return keys
 
 
 def key_value(key: int) -> float:
@@ -52,18 +55,24 @@ def key_value(key: int) -> float:
 
 def _digit(keys: np.ndarray, ids: np.ndarray, level: int) -> np.ndarray:
     """16-bit digit `level` of the composite key (value key: levels 0-1, id: levels 2-5)."""
+    digit: np.ndarray
     if level < 2:
-        return (keys >> np.uint64(16 * (1 - level))) & np.uint64(0xFFFF)
-    return (ids.astype(np.uint64) >> np.uint64(16 * (5 - level))) & np.uint64(0xFFFF)
+        digit = (keys >> np.uint64(16 * (1 - level))) & np.uint64(0xFFFF)
+    else:
+        digit = (ids.astype(np.uint64) >> np.uint64(16 * (5 - level))) & np.uint64(0xFFFF)
+    return digit
 
 
 def at_or_below(keys: np.ndarray, ids: np.ndarray, cut: Cut) -> np.ndarray:
     """(N,) bool: composite (key, id) <= cut."""
     key, sample = np.uint64(cut[0]), cut[1]
-    return (keys < key) | ((keys == key) & (ids <= sample))
+    below: np.ndarray = (keys < key) | ((keys == key) & (ids <= sample))
+    return below
 
 
-def select_round(keys: np.ndarray, ids: np.ndarray, prefix: tuple[int, ...], fetch: bool):
+def select_round(
+    keys: np.ndarray, ids: np.ndarray, prefix: tuple[int, ...], fetch: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """One radix-select round over one shard's rows.
 
     Args:
@@ -85,7 +94,7 @@ def select_round(keys: np.ndarray, ids: np.ndarray, prefix: tuple[int, ...], fet
 
 
 def radix_select(
-    run_round: Callable[[tuple[int, ...], bool], list],
+    run_round: Callable[[tuple[int, ...], bool], list[tuple[np.ndarray, np.ndarray]]],
     k: int,
     total: int,
     *,
