@@ -2,9 +2,12 @@
 export, schemas.
 
 Errors a user can fix (bad job file, missing shards, missing weights, a conflicting run
-directory, an output another run is writing) are printed as one `error:` message and exit with
-status 2, without a traceback; an interrupted run (SIGINT, SIGTERM) prints one sentence and
-exits with 128 + the signal (docs/failures.md).
+directory, an output another run is writing) and a failed run are printed as one `error:`
+message, without a traceback; an interrupted run (SIGINT, SIGTERM) prints one sentence. The exit
+status of each comes from one table, `pipeline.errors.EXIT_CODES` (0 ok, 1 run failed, 2 usage
+or config error, 3 stopped by input.max_failed_shards, 130/143 interrupted), which `--help`
+shows and docs/failures.md explains. Options that take a fixed set of values are typed as such,
+so `--help` lists them and a typo is refused (exit 2) before anything runs.
 
 The library logs through module loggers; every command shows them on the terminal through
 `pipeline.runtime.console.setup_console` (set up in `_console`, before the command runs).
@@ -15,39 +18,79 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Literal
 
 import typer
+
+from pipeline.errors import EXIT_CODES, ExitCode, RunInterrupted, UserError, exit_code
+
+
+def _exit_codes_help() -> str:
+    rows = "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES.items())
+    return f"Exit status (docs/failures.md):\n\n{rows}"
+
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     help="Estimate soft correspondence labels for noisy image-text corpora (WebDataset shards).",
+    epilog=_exit_codes_help(),
 )
 
 SET_HELP = "Override a job key, e.g. --set labels.method=rcr (repeatable)."
+# The choices of fixed-set options; tests/test_cli.py checks they are the library's own.
+ExportFormat = Literal["wds", "uid", "keys"]  # pipeline.stages.export.driver.FORMATS
+NoiseModel = Literal["ncr", "web", "teacher"]  # pipeline.data.synthetic.NOISE_MODELS
+LabelView = Literal["a", "b"]  # the co-teaching models whose labels a round holds
+VIEW_HELP = (
+    "For a round directory (RUN/rounds/<r>): the labels estimated from model A's embeddings "
+    "(a) or model B's (b). Not needed for a run directory, whose published labels average both."
+)
+
+
+def _show_version(value: bool) -> None:
+    if not value:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        typer.echo(f"ncl-pipeline {version('ncl-pipeline')}")
+    except PackageNotFoundError:
+        _fail("ncl-pipeline is not installed as a package (pip install -e .): no version known")
+    raise typer.Exit()
 
 
 @app.callback()
-def _console() -> None:
+def _console(
+    show_version: bool = typer.Option(
+        False,
+        "--version",
+        is_eager=True,
+        callback=_show_version,
+        help="Print the installed version and exit.",
+    ),
+) -> None:
     # Runs before every command: the pipeline's log records to the terminal.
     from pipeline.runtime.console import setup_console
 
     setup_console()
 
 
-def _fail(message: str) -> None:
+def _fail(message: str, code: int = ExitCode.USAGE) -> None:
     typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code=2)
+    raise typer.Exit(code=int(code))
 
 
 def _guard(function, *args, **kwargs):
-    """Call `function`; turn the errors a user can fix into a plain message."""
-    from pipeline.errors import UserError
-
+    """Call `function`; turn the errors a user can fix, a failed run and an interrupt into a
+    plain message and their exit status (`pipeline.errors.exit_code`)."""
     try:
         return function(*args, **kwargs)
     except UserError as exc:
-        _fail(str(exc))
+        _fail(str(exc), exit_code(exc))
+    except RunInterrupted as exc:  # Ctrl-C / SIGTERM: one sentence, exit 128 + the signal
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(code=exit_code(exc)) from None
 
 
 @app.command()
@@ -63,14 +106,8 @@ def run(
 
     if verbose:
         setup_console(verbose=True)
-    from pipeline.errors import RunInterrupted
-
     job = _guard(load_job, job_file, overrides)
-    try:
-        _guard(run_job, job)
-    except RunInterrupted as exc:  # Ctrl-C / SIGTERM: one sentence, exit 128 + the signal
-        typer.echo(str(exc), err=True)
-        raise typer.Exit(code=exc.exit_code) from None
+    _guard(run_job, job)
 
 
 @app.command()
@@ -81,7 +118,8 @@ def validate(
         False, "--config-only", help="Check the file only, not the shards or model weights."
     ),
 ) -> None:
-    """Check a job file (and, unless --config-only, that its shards and weights exist)."""
+    """Check a job file (and, unless --config-only, its shards, and whether the model's weights
+    are cached here or will be downloaded at run time)."""
     from pipeline.config import load_job
 
     job = _guard(load_job, job_file, overrides)
@@ -94,9 +132,8 @@ def validate(
     shards = _guard(resolve_inputs, job)
     typer.echo(f"ok: {len(shards)} input shards found")
     for spec in model_specs(job).values():
-        _guard(check_weights_available, spec)
-    pretrained = job.model.pretrained or "random init"
-    typer.echo(f"ok: model {job.model.name} ({pretrained}) is available")
+        weights = _guard(check_weights_available, spec)
+        typer.echo(f"ok: model {job.model.name}: {weights.describe()}")
 
 
 def _web_knobs(noise_model: str, knobs: list[str] | None):
@@ -148,7 +185,7 @@ def make_corpus_command(
     ),
     image_size: int = typer.Option(64, help="Image side in pixels."),
     corrupt: float = typer.Option(0.0, help="Fraction of deliberately corrupt samples."),
-    noise_model: str = typer.Option(
+    noise_model: NoiseModel = typer.Option(
         "ncr",
         "--noise-model",
         help="ncr (random swaps), web (pages, duplicates, page swaps, boilerplate, clutter) or "
@@ -167,10 +204,8 @@ def make_corpus_command(
     ),
 ) -> None:
     """Write the synthetic noisy demo corpus in img2dataset layout, with ground truth."""
-    from pipeline.data.synthetic import NOISE_MODELS, make_corpus
+    from pipeline.data.synthetic import make_corpus
 
-    if noise_model not in NOISE_MODELS:
-        _fail(f"--noise-model must be one of {', '.join(NOISE_MODELS)}, got {noise_model!r}")
     web = _web_knobs(noise_model, web_knobs)
     try:
         summary = make_corpus(
@@ -220,13 +255,13 @@ def submit(
         _fail("no cluster address: pass --address http://<head>:8265 (the Ray dashboard port)")
     status = _guard(submit_job, job_file, address, overrides, follow=follow)
     if follow and status != "SUCCEEDED":
-        raise typer.Exit(code=1)
+        raise typer.Exit(code=int(ExitCode.RUN_FAILED))
 
 
 @app.command()
 def inspect(
     run_dir: str = typer.Argument(..., help="Run directory (the job's output)."),
-    view: str = typer.Option(None, help="Embeddings view of a round's labels (a, b)."),
+    view: LabelView = typer.Option(None, help=VIEW_HELP),
 ) -> None:
     """Print counts per subset, label quantiles, mixture fits and the quarantine summary."""
     from pipeline.reporting.inspect import inspect_run
@@ -255,7 +290,7 @@ def status(
 @app.command()
 def report(
     run_dir: str = typer.Argument(..., help="Run directory (the job's output)."),
-    view: str = typer.Option(None, help="Embeddings view of a round's labels (a, b)."),
+    view: LabelView = typer.Option(None, help=VIEW_HELP),
 ) -> None:
     """(Re)generate <run>/report/index.html: loss histogram with fits, label histograms, gallery."""
     from pipeline.reporting.report import write_report
@@ -267,12 +302,17 @@ def report(
 def export(
     run_dir: str = typer.Argument(..., help="Run directory (the job's output) with labels/."),
     out: str = typer.Option(..., "--out", help="Export directory (created; must be empty)."),
-    format: str = typer.Option(
-        "wds", "--format", help="wds (webdataset tars) | uid (DataComp subset file) | keys."
+    format: ExportFormat = typer.Option(
+        "wds",
+        "--format",
+        help="wds: webdataset tars of the kept pairs; uid: a DataComp subset file (uids.npy); "
+        "keys: keys.parquet (key, shard, label, subset, uid).",
     ),
     min_label: float = typer.Option(0.0, "--min-label", help="Keep soft_label >= this."),
     subset: str = typer.Option(
-        "clean,quasi_clean", "--subset", help="Keep these subsets (comma-separated)."
+        "clean,quasi_clean",
+        "--subset",
+        help="Keep these subsets, comma-separated, of clean, quasi_clean, noisy.",
     ),
     samples_per_shard: int = typer.Option(
         10_000, "--samples-per-shard", help="wds: pairs per output shard."

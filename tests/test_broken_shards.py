@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from cli_job import invoke_cli
 
 from pipeline.clients.read import labels_folder
 from pipeline.config import JobConfigError, load_job
@@ -18,7 +19,7 @@ from pipeline.errors import RunFailedError
 from pipeline.io.admitted import ShardReference, fingerprint_change, read_reference
 from pipeline.io.shards import ShardReadError, ShardReadStats, iter_shard_records
 from pipeline.run.failures import explain_failure
-from pipeline.run.runner import ShardFailuresError, run_job
+from pipeline.run.runner import run_job
 
 JOB = """
 name: broken-shards
@@ -150,11 +151,13 @@ def test_broken_shards_are_left_out_and_repeated_keys_kept_once(
     (corpus / "00005.tar").write_bytes(packed)  # gzip-compressed, named .tar: valid
     shutil.copy(corpus / "00002.tar", corpus / "00009.tar")  # two downloads merged
 
-    # Two of ten shards fail: more than the default 5 % allows -> stop after the embed pass.
-    job = _job(tmp_path, corpus, "run")
-    with pytest.raises(ShardFailuresError) as stopped:
-        run_job(job)
-    assert "00006.tar" in str(stopped.value) and "00007.tar" in str(stopped.value)
+    # Two of nine shards fail: more than the default 5 % allows -> stop after the embed pass,
+    # with exit status 3 (run through the command line).
+    _job(tmp_path, corpus, "run")
+    code, shown = invoke_cli("run", str(tmp_path / "run.yaml"))
+    assert code == 3, shown[-3000:]
+    assert "error: 2 of 9 shards could not be read" in shown
+    assert "00006.tar" in shown and "00007.tar" in shown
     assert not (tmp_path / "run" / "labels").exists()
     assert (tmp_path / "run" / "rounds" / "0" / "embeddings" / "00009.parquet").exists()
 

@@ -246,6 +246,21 @@ def test_a_relative_checkpoint_path_is_made_absolute_for_the_workers(tmp_path, m
     assert tagged.model.pretrained == "openai"
 
 
+def test_model_cache_dir_reaches_every_model_the_run_loads(tmp_path, monkeypatch):
+    """The embed pass (round 0's view, each round's views) and the trainers (their initial
+    models) get `model.cache_dir`, made absolute for workers that run elsewhere."""
+    from pipeline.config import load_job
+    from pipeline.run.runner import _with_absolute_paths, model_specs
+    from pipeline.run.train_specs import round_models
+
+    monkeypatch.chdir(tmp_path)
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text("name: t\ninput: {shards: x.tar}\noutput: out\nmodel: {name: ncl-tiny}\n")
+    job = _with_absolute_paths(load_job(job_file, ["model.cache_dir=weights"]))
+    specs = [*model_specs(job).values(), *round_models(job, {"A": "a.pt"}).values()]
+    assert [s.cache_dir for s in specs] == [str(tmp_path / "weights")] * 3
+
+
 def test_unknown_model_name_suggests_close_names():
     with pytest.raises(ModelLoadError, match="Unknown model") as err:
         check_weights_available(ModelSpec("vit-b-32", None))
@@ -289,6 +304,81 @@ def test_cached_tag_passes_preflight_offline(tmp_path, monkeypatch, filename):
     check_weights_available(ModelSpec("ViT-B-32", "laion2b_s34b_b79k"))
     check_weights_available(ModelSpec("ViT-B/32", "LAION2B-S34B-B79K"))  # open_clip spellings
     assert time.perf_counter() - start < 1.0
+
+
+def _hub_repo(cache: Path, repo_id: str, files: dict[str, bytes]) -> Path:
+    """Files of a Hugging Face repo in the hub cache layout under `cache` (what
+    `hf_hub_download(cache_dir=cache)` writes), for offline tests."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    for name, data in files.items():
+        (snapshot / name).write_bytes(data)
+    return snapshot
+
+
+def test_model_cache_dir_is_where_a_tag_is_looked_up(tmp_path, monkeypatch):
+    """A tag's weights in `model.cache_dir` are found there (cached); the same tag with an
+    empty cache dir is to be downloaded online, and refused offline. Nothing is downloaded."""
+    from huggingface_hub import constants
+
+    repo = "laion/CLIP-ViT-B-32-laion2B-s34B-b79K"
+    weights = _hub_repo(tmp_path / "cache", repo, {"open_clip_model.safetensors": b"w"})
+    spec = ModelSpec("ViT-B-32", "laion2b_s34b_b79k", cache_dir=str(tmp_path / "cache"))
+    found = check_weights_available(spec)
+    assert (found.state, found.where) == ("cached", str(weights / "open_clip_model.safetensors"))
+    assert found.describe().startswith("weights cached (")
+
+    empty = ModelSpec("ViT-B-32", "laion2b_s34b_b79k", cache_dir=str(tmp_path / "empty"))
+    with pytest.raises(ModelLoadError, match="cannot be downloaded here") as offline:
+        check_weights_available(empty)
+    assert str(tmp_path / "empty") in str(offline.value)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # frozen when first imported
+    online = check_weights_available(empty)
+    assert online.state == "download"
+    assert online.describe() == (
+        f"weights will be downloaded at run time (hf-hub {repo} (open_clip_model.safetensors or "
+        f"open_clip_pytorch_model.bin) into {tmp_path / 'empty'})"
+    )
+
+
+def test_weights_status_of_a_local_checkpoint_and_a_random_init(tmp_path):
+    path = tmp_path / "teacher.pt"
+    path.write_bytes(b"")  # the preflight checks the file is there; loading reads it
+    assert check_weights_available(ModelSpec(TINY, str(path))).describe() == (
+        f"weights cached (local checkpoint {path})"
+    )
+    assert check_weights_available(ModelSpec(TINY, None)).state == "random"
+
+
+def test_load_clip_reads_a_hub_model_from_model_cache_dir(tiny, tmp_path):
+    """The real loading code (open_clip with huggingface_hub offline) builds an `hf-hub:` model
+    from the config and weights in `cache_dir`, and cannot without it."""
+    import io
+    import json
+
+    import open_clip
+
+    state = io.BytesIO()
+    torch.save(tiny.model.state_dict(), state)
+    config = {"model_cfg": open_clip.get_model_config(TINY), "preprocess_cfg": {}}
+    _hub_repo(
+        tmp_path,
+        "ncl/tiny",
+        {
+            "open_clip_config.json": json.dumps(config).encode(),
+            "open_clip_pytorch_model.bin": state.getvalue(),
+        },
+    )
+    spec = ModelSpec("hf-hub:ncl/tiny", None, cache_dir=str(tmp_path))
+    assert check_weights_available(spec).state == "cached"
+    loaded = load_clip(spec, device="cpu")
+    assert _weights_equal(loaded.model, tiny.model) and loaded.model_id == "hf-hub:ncl/tiny"
+    with pytest.raises(ModelLoadError, match="not in the local Hugging Face cache"):
+        load_clip(ModelSpec("hf-hub:ncl/tiny", None), device="cpu")
 
 
 def test_unknown_tag_lists_known_tags():

@@ -55,8 +55,12 @@ def test_each_stage_hashes_exactly_the_keys_it_depends_on():
     assert {"train.rounds", "train.lr", "labels.method", "labels.bicro.theta"} <= set(train)
     vanilla = stage_config(_job(train={"rounds": 1, "mode": "vanilla"}), "train")
     assert "labels.method" not in vanilla  # vanilla does not read the labels
-    # Changing a resource key changes no stage's config.
-    faster = _job(embed={"concurrency": 4}, train={"rounds": 1, "torch_threads": 2})
+    # Changing a resource key (or where the weights are cached) changes no stage's config.
+    faster = _job(
+        embed={"concurrency": 4},
+        train={"rounds": 1, "torch_threads": 2},
+        model={"cache_dir": "/shared/open_clip"},
+    )
     for kind in ("embed", "warmup", "labels", "train", "publish"):
         assert stage_config(faster, kind) == stage_config(job, kind)
 

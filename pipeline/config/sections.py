@@ -66,6 +66,12 @@ class ModelConfig(_Section):
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="Autocast precision; losses are always computed in fp32."
     )
+    cache_dir: str | None = Field(
+        None,
+        description="Where open_clip and Hugging Face download and look up pretrained weights "
+        "(a folder every node can write; null: their defaults, ~/.cache/huggingface/hub and "
+        "~/.cache/clip). Changes no result.",
+    )
 
 
 class EmbedConfig(_Section):

@@ -35,6 +35,7 @@ from pipeline.models.spec import (
     split_schema,
 )
 from pipeline.models.weights import (
+    cache_dir_of,
     check_weights_available,
     file_sha256,
     is_url,
@@ -122,13 +123,14 @@ def _build(spec: ModelSpec, pretrained: str | None) -> tuple[torch.nn.Module, Ca
             # "Random init" means all random: never fetch HF base text weights.
             pretrained_text=False,
             weights_only=True,
+            cache_dir=cache_dir_of(spec),  # None: open_clip's and Hugging Face's defaults
         )
     return model, preprocess
 
 
-def _tokenizer(name: str) -> Callable:
+def _tokenizer(name: str, cache_dir: str | None = None) -> Callable:
     with _open_clip_logging():
-        return open_clip.get_tokenizer(name)
+        return open_clip.get_tokenizer(name, cache_dir=cache_dir)
 
 
 def _weight_source(spec: ModelSpec, arch: str, schema: str | None) -> tuple[str | None, str | None]:
@@ -151,7 +153,7 @@ def _build_or_explain(
             # Local checkpoints are loaded by us (not open_clip) so the weights_only/strict
             # policy and the error messages are ours; the seed only shapes the discarded init.
             model, preprocess = _build(spec, tag)
-        tokenizer = _tokenizer(arch)
+        tokenizer = _tokenizer(arch, cache_dir_of(spec))
     except ModelLoadError:
         raise
     except Exception as exc:
@@ -179,7 +181,8 @@ def load_clip(spec: ModelSpec, device: str | torch.device = DEFAULT_DEVICE) -> L
           and a strict ``load_state_dict``; accepts a bare state dict or one wrapped under
           ``"state_dict"`` / ``"model"``; strips ``module.`` / ``_orig_mod.`` prefixes.
         * an open_clip tag: :func:`check_weights_available` first (fails fast offline), then
-          open_clip downloads or reads its cache.
+          open_clip downloads or reads its cache (``spec.cache_dir``, else its defaults);
+          likewise a ``hf-hub:`` name.
 
     Args:
         spec: What to build.
@@ -238,7 +241,7 @@ def load_transforms(spec: ModelSpec) -> tuple[Callable[[Any], torch.Tensor], Cal
 
     schema, _ = split_schema(spec.name)
     if schema:  # hub / local-dir models: only open_clip knows their transform
-        return load_clip(spec, "cpu").preprocess, _tokenizer(spec.name)
+        return load_clip(spec, "cpu").preprocess, _tokenizer(spec.name, cache_dir_of(spec))
     arch = arch_name(spec.name)
     config = open_clip.get_model_config(arch)
     if config is None:
@@ -251,4 +254,4 @@ def load_transforms(spec: ModelSpec) -> tuple[Callable[[Any], torch.Tensor], Cal
         preprocess_cfg = merge_preprocess_dict(preprocess_cfg, tag_cfg)
     preprocess_cfg["size"] = config["vision_cfg"].get("image_size", preprocess_cfg["size"])
     transform = image_transform_v2(PreprocessCfg(**preprocess_cfg), is_train=False)
-    return transform, _tokenizer(arch)
+    return transform, _tokenizer(arch, cache_dir_of(spec))

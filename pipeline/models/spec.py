@@ -65,6 +65,9 @@ class ModelSpec:
     pretrained: str | None  # open_clip tag | local checkpoint file | None = random init
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16": autocast dtype, weights stay fp32
     seed: int = 0  # random-init seed: co-teaching views A and B differ only by this
+    # Where open_clip / Hugging Face download and look up tag or hub weights (None: their
+    # defaults). Not part of what a model is: the same weights come from any cache.
+    cache_dir: str | None = None
 
 
 @dataclass

@@ -4,7 +4,9 @@ Contract (part of :mod:`pipeline.models.clip`):
 
 * :func:`check_weights_available` is a cheap driver-side preflight (no model build, no network,
   well under a second) that turns every foreseeable loading failure into a
-  :class:`ModelLoadError` whose message names the model, the tag or path, and the fix.
+  :class:`ModelLoadError` whose message names the model, the tag or path, and the fix, and
+  says whether the weights are here (a local checkpoint, or in the download cache:
+  ``spec.cache_dir`` or open_clip's and Hugging Face's defaults) or will be downloaded.
 * Checkpoints are read with ``torch.load(weights_only=True)`` (or safetensors) only
   (docs/architecture.md §4.1): a file that needs arbitrary unpickling is refused, never
   executed. :func:`read_state_dict` unwraps the common container layouts and wrapper prefixes;
@@ -22,8 +24,9 @@ import pickle
 import re
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from open_clip import constants as _oc_constants
@@ -40,6 +43,8 @@ from pipeline.models.spec import (
 )
 
 __all__ = [
+    "WeightsStatus",
+    "cache_dir_of",
     "check_weights_available",
     "file_sha256",
     "load_state_dict_strict",
@@ -88,13 +93,36 @@ def _close_names(name: str, choices: list[str], n: int = 5) -> list[str]:
 _FIX_OFFLINE = (
     "Fix one of: (1) on a machine with network access run "
     "`python -c \"import open_clip; open_clip.create_model('{name}', pretrained='{tag}')\"` and "
-    "copy its Hugging Face cache ({cache}) to the same place here (or point HF_HOME at the copy); "
+    "copy its download cache ({cache}) to the same place here (or set model.cache_dir to the "
+    "copy); "
     "(2) set model.pretrained to a local checkpoint file path; "
     "(3) set model.pretrained: null for a random init."
 )
 
 
-def _hf_cache_dir() -> str:
+@dataclass(frozen=True)
+class WeightsStatus:
+    """Where a model's weights come from at run time (what `validate` reports)."""
+
+    state: Literal["random", "cached", "download"]
+    where: str = ""  # the file or folder read, or the source and the cache it downloads into
+
+    def describe(self) -> str:
+        if self.state == "random":
+            return "random init, no weights to load"
+        if self.state == "cached":
+            return f"weights cached ({self.where})"
+        return f"weights will be downloaded at run time ({self.where})"
+
+
+def cache_dir_of(spec: ModelSpec) -> str | None:
+    """`spec.cache_dir` with `~` expanded (None: open_clip's and Hugging Face's defaults)."""
+    return os.path.expanduser(spec.cache_dir) if spec.cache_dir else None
+
+
+def _hf_cache_dir(cache_dir: str | None = None) -> str:
+    if cache_dir:
+        return cache_dir
     try:
         from huggingface_hub import constants as hf_constants
 
@@ -103,13 +131,32 @@ def _hf_cache_dir() -> str:
         return "~/.cache/huggingface/hub"
 
 
-def _cached_tag_file(cfg: Mapping[str, Any]) -> tuple[str | None, str]:
+def _url_cache_dir(cache_dir: str | None) -> str:
+    # open_clip's URL downloads land in ~/.cache/clip/<basename> when no cache_dir is given.
+    return cache_dir or os.path.expanduser("~/.cache/clip")
+
+
+def _cached_hub_file(repo_id: str, candidates: list[str], cache_dir: str | None) -> str | None:
+    """The first of `candidates` in the Hugging Face cache (`cache_dir` or the default)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for candidate in candidates:
+        hit = try_to_load_from_cache(repo_id=repo_id, filename=candidate, cache_dir=cache_dir)
+        if isinstance(hit, str) and os.path.isfile(hit):
+            return hit
+    return None
+
+
+def _cached_tag_file(
+    cfg: Mapping[str, Any], cache_dir: str | None = None
+) -> tuple[str | None, str]:
     """Finds a pretrained tag's weights in the local caches without touching the network.
 
     Mirrors ``open_clip.pretrained.download_pretrained``: an explicit ``file`` wins; the
     Hugging Face Hub source is preferred over the URL when huggingface_hub is installed; a
     hub entry without a filename means ``open_clip_pytorch_model.bin`` with its safetensors
-    twin tried first.
+    twin tried first. `cache_dir` is open_clip's: the hub cache's root, or the URL downloads'
+    folder (None: Hugging Face's and open_clip's defaults).
 
     Returns:
         (path or None when not cached, a human-readable description of the source).
@@ -120,8 +167,6 @@ def _cached_tag_file(cfg: Mapping[str, Any]) -> tuple[str | None, str]:
     hub = cfg.get("hf_hub") or ""
     url = cfg.get("url") or ""
     if hub and _oc_pretrained.has_hf_hub():
-        from huggingface_hub import try_to_load_from_cache
-
         repo_id, filename = os.path.split(hub)
         filename = filename or _oc_constants.HF_WEIGHTS_NAME
         candidates = [filename]
@@ -129,43 +174,46 @@ def _cached_tag_file(cfg: Mapping[str, Any]) -> tuple[str | None, str]:
             candidates.insert(0, _oc_constants.HF_SAFE_WEIGHTS_NAME)
         elif filename.endswith((".bin", ".pth")):
             candidates.insert(0, filename[:-4] + ".safetensors")
-        for candidate in candidates:
-            hit = try_to_load_from_cache(repo_id=repo_id, filename=candidate)
-            if isinstance(hit, str) and os.path.isfile(hit):
-                return hit, f"hf-hub {repo_id} ({candidate})"
-        return None, f"hf-hub {repo_id} ({' or '.join(candidates)})"
+        hit = _cached_hub_file(repo_id, candidates, cache_dir)
+        return hit, f"hf-hub {repo_id} ({' or '.join(candidates)})"
     if url:
-        # open_clip's URL downloads land in ~/.cache/clip/<basename> when no cache_dir is given.
-        path = os.path.join(os.path.expanduser("~/.cache/clip"), os.path.basename(url))
+        path = os.path.join(_url_cache_dir(cache_dir), os.path.basename(url))
         return (path if os.path.isfile(path) else None), f"url {url}"
     return None, "no download source"
 
 
-def _check_local_dir(spec: ModelSpec, directory: str) -> None:
+def _check_local_dir(spec: ModelSpec, directory: str) -> WeightsStatus:
     config = Path(directory) / "open_clip_config.json"
     if not config.is_file():
         raise ModelLoadError(
             f"Model {spec.name!r}: {config} not found. A 'local-dir:' model needs a folder "
             "holding open_clip_config.json and the weights; fix model.name."
         )
+    return WeightsStatus("cached", f"local folder {directory}")
 
 
-def _check_hf_hub_name(spec: ModelSpec, repo_id: str) -> None:
-    if not _hf_offline():
-        return
-    from huggingface_hub import try_to_load_from_cache
-
-    hit = try_to_load_from_cache(repo_id=repo_id, filename="open_clip_config.json")
-    if not isinstance(hit, str):
+def _check_hf_hub_name(spec: ModelSpec, repo_id: str) -> WeightsStatus:
+    cache_dir = cache_dir_of(spec)
+    cache = _hf_cache_dir(cache_dir)
+    config = _cached_hub_file(repo_id, ["open_clip_config.json"], cache_dir)
+    weights = _cached_hub_file(
+        repo_id, [_oc_constants.HF_SAFE_WEIGHTS_NAME, _oc_constants.HF_WEIGHTS_NAME], cache_dir
+    )
+    if config is not None and weights is not None:
+        return WeightsStatus("cached", weights)
+    if _hf_offline():
+        missing = "open_clip_config.json" if config is None else "its weights"
         raise ModelLoadError(
-            f"Model {spec.name!r}: {repo_id}/open_clip_config.json is not in the local Hugging "
-            f"Face cache ({_hf_cache_dir()}) and cannot be downloaded here (HF_HUB_OFFLINE is "
-            "set). Download it on a machine with network access and copy the cache, or use a "
-            "built-in model.name with a local checkpoint path in model.pretrained."
+            f"Model {spec.name!r}: {repo_id} ({missing}) is not in the local Hugging Face "
+            f"cache ({cache}) and cannot be downloaded here (HF_HUB_OFFLINE is set). Download "
+            "it on a machine with network access and copy the cache (or set model.cache_dir "
+            "to the copy), or use a built-in model.name with a local checkpoint path in "
+            "model.pretrained."
         )
+    return WeightsStatus("download", f"hf-hub {repo_id} into {cache}")
 
 
-def _check_own_weights(spec: ModelSpec, schema: str, ident: str) -> None:
+def _check_own_weights(spec: ModelSpec, schema: str, ident: str) -> WeightsStatus:
     """Checks a ``hf-hub:`` / ``local-dir:`` model, which brings its own weights."""
     if spec.pretrained is not None:
         raise ModelLoadError(
@@ -173,31 +221,40 @@ def _check_own_weights(spec: ModelSpec, schema: str, ident: str) -> None:
             f"(got {spec.pretrained!r}); drop the '{schema}:' prefix to use a tag or path."
         )
     if schema == "local-dir":
-        _check_local_dir(spec, ident)
-    else:
-        _check_hf_hub_name(spec, ident)
+        return _check_local_dir(spec, ident)
+    return _check_hf_hub_name(spec, ident)
 
 
-def _check_pretrained(spec: ModelSpec, arch: str, tag_or_path: str) -> None:
+def _check_tag(spec: ModelSpec, arch: str, tag: str) -> WeightsStatus:
+    """A pretrained tag's weights: cached, or to download (refused when offline)."""
+    cfg = _oc_pretrained.get_pretrained_cfg(arch, tag)
+    cache_dir = cache_dir_of(spec)
+    cached, source = _cached_tag_file(cfg, cache_dir)
+    if cached is not None:
+        return WeightsStatus("cached", cached)
+    hub = bool(cfg.get("hf_hub")) and _oc_pretrained.has_hf_hub()
+    cache = _hf_cache_dir(cache_dir) if hub else _url_cache_dir(cache_dir)
+    if _hf_offline():
+        raise ModelLoadError(
+            f"Pretrained weights for model {spec.name!r} tag {tag!r} ({source}) are "
+            "not in the local cache and cannot be downloaded here (HF_HUB_OFFLINE is set). "
+            + _FIX_OFFLINE.format(name=arch, tag=tag, cache=cache)
+        )
+    return WeightsStatus("download", f"{source} into {cache}")
+
+
+def _check_pretrained(spec: ModelSpec, arch: str, tag_or_path: str) -> WeightsStatus:
     """Checks that ``tag_or_path`` is a tag of ``arch`` (cached, when offline) or a file."""
     tags = _oc_pretrained.list_pretrained_tags_by_model(arch)
     if _oc_pretrained.is_pretrained_cfg(arch, tag_or_path):
-        cfg = _oc_pretrained.get_pretrained_cfg(arch, tag_or_path)
-        cached, source = _cached_tag_file(cfg)
-        if cached is None and _hf_offline():
-            raise ModelLoadError(
-                f"Pretrained weights for model {spec.name!r} tag {tag_or_path!r} ({source}) are "
-                "not in the local cache and cannot be downloaded here (HF_HUB_OFFLINE is set). "
-                + _FIX_OFFLINE.format(name=arch, tag=tag_or_path, cache=_hf_cache_dir())
-            )
-        return
+        return _check_tag(spec, arch, tag_or_path)
 
     if is_url(tag_or_path):  # a checkpoint in shared storage (a run directory on S3)
         import fsspec
 
         fs, fs_path = fsspec.core.url_to_fs(tag_or_path)
         if fs.isfile(fs_path):
-            return
+            return WeightsStatus("download", f"copied from {tag_or_path} where it is loaded")
         raise ModelLoadError(
             f"Checkpoint {tag_or_path!r} for model {spec.name!r} does not exist. Set "
             "model.pretrained to an existing checkpoint file (local path or fsspec URL), a "
@@ -205,7 +262,7 @@ def _check_pretrained(spec: ModelSpec, arch: str, tag_or_path: str) -> None:
         )
     path = os.path.expanduser(tag_or_path)
     if os.path.isfile(path):
-        return
+        return WeightsStatus("cached", f"local checkpoint {path}")
     if _looks_like_path(tag_or_path):
         where = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
         raise ModelLoadError(
@@ -225,7 +282,7 @@ def _check_pretrained(spec: ModelSpec, arch: str, tag_or_path: str) -> None:
     )
 
 
-def check_weights_available(spec: ModelSpec) -> None:
+def check_weights_available(spec: ModelSpec) -> WeightsStatus:
     """Checks, without building the model, that ``spec`` can be loaded here.
 
     Runs on the driver before any Ray work starts, so config mistakes fail in milliseconds
@@ -234,11 +291,16 @@ def check_weights_available(spec: ModelSpec) -> None:
 
     Checks, in order: known precision; known architecture (with close-name suggestions);
     ``pretrained`` is ``None``, a known tag for this architecture, or an existing file; and,
-    when Hugging Face access is offline, that a tag's weights are already in the local cache.
-    Online, a tag that is not cached passes: :func:`load_clip` will download it.
+    when Hugging Face access is offline, that a tag's weights are already in the local cache
+    (``spec.cache_dir``, else the default caches). Online, a tag that is not cached passes:
+    :func:`load_clip` will download it.
 
     Args:
         spec: The model to check.
+
+    Returns:
+        Whether the weights are a random init, cached here (a local checkpoint or folder, or
+        in the download cache), or will be downloaded at run time, and from where.
 
     Raises:
         ModelLoadError: With a message naming the model, the tag or path, and the fix.
@@ -250,8 +312,7 @@ def check_weights_available(spec: ModelSpec) -> None:
         )
     schema, ident = split_schema(spec.name)
     if schema is not None:
-        _check_own_weights(spec, schema, ident)
-        return
+        return _check_own_weights(spec, schema, ident)
 
     arch = arch_name(spec.name)
     models = list_builtin_configs()
@@ -263,8 +324,9 @@ def check_weights_available(spec: ModelSpec) -> None:
             f"(see open_clip.list_models(); {len(models)} known here, e.g. 'ViT-B-32', "
             "'ncl-tiny')."
         )
-    if spec.pretrained is not None:
-        _check_pretrained(spec, arch, spec.pretrained)
+    if spec.pretrained is None:
+        return WeightsStatus("random")
+    return _check_pretrained(spec, arch, spec.pretrained)
 
 
 # --------------------------------------------------------------------------------------------

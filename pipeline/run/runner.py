@@ -90,14 +90,16 @@ def _absolute(path: str | None) -> str | None:
 
 def _with_absolute_paths(job: JobConfig) -> JobConfig:
     """Local paths resolved against the driver's directory: Ray Train runs its workers in a
-    directory of its own, so a relative output (or checkpoint) would be looked for elsewhere."""
+    directory of its own, so a relative output (checkpoint, weights cache) would be looked for
+    elsewhere."""
     pretrained = job.model.pretrained
     if pretrained and os.path.isfile(os.path.expanduser(pretrained)):  # not a pretrained tag
         pretrained = _absolute(pretrained)
+    model = {"pretrained": pretrained, "cache_dir": _absolute(job.model.cache_dir)}
     return job.model_copy(
         update={
             "output": _absolute(job.output),
-            "model": job.model.model_copy(update={"pretrained": pretrained}),
+            "model": job.model.model_copy(update=model),
             "eval": job.eval.model_copy(update={"ground_truth": _absolute(job.eval.ground_truth)}),
         }
     )
@@ -105,14 +107,7 @@ def _with_absolute_paths(job: JobConfig) -> JobConfig:
 
 def model_specs(job: JobConfig) -> dict[str, ModelSpec]:
     """The model views of round 0: view 'a' is the job's model seeded with the job's seed."""
-    return {
-        "a": ModelSpec(
-            name=job.model.name,
-            pretrained=job.model.pretrained,
-            precision=job.model.precision,
-            seed=job.seed,
-        )
-    }
+    return {"a": round_models(job, {})["a"]}
 
 
 def _check_resume(job: JobConfig, layout: RunLayout) -> dict:

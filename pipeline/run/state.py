@@ -95,7 +95,12 @@ DEPENDS_ON: dict[str, tuple[str, ...]] = {
     "publish": ("eval.ground_truth",),
 }
 # Inside the sections above, these change how fast a stage runs, not what it produces.
-NOT_RESULTS = ("train.torch_threads", "train.checkpoint_every_steps", "train.checkpoint_every_s")
+NOT_RESULTS = (
+    "train.torch_threads",
+    "train.checkpoint_every_steps",
+    "train.checkpoint_every_s",
+    "model.cache_dir",
+)
 _TRAIN_READS_LABELS = ("labels.method", "labels.{method}")  # coteach mode only
 
 

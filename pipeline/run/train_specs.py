@@ -47,6 +47,7 @@ def round_models(job: JobConfig, checkpoints: dict[str, str]) -> dict[str, Model
             checkpoints.get(view.upper(), job.model.pretrained),
             job.model.precision,
             seed=job.seed + offset,
+            cache_dir=job.model.cache_dir,
         )
         for offset, view in enumerate(("a", "b"))
     }

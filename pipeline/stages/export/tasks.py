@@ -29,7 +29,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from pipeline.errors import UserError
+from pipeline.errors import RunFailedError
 from pipeline.io.labels import SUBSET_VALUES, uid_of
 from pipeline.io.shards import RawRecord, iter_shard_records
 from pipeline.io.tables import file_exists, open_atomic, read_json, write_json_atomic
@@ -52,8 +52,9 @@ END_OF_ARCHIVE = b"\0" * tarfile.RECORDSIZE
 LABEL_COLUMNS = ["key", "soft_label", "subset", "round", "uid"]
 
 
-class ExportError(UserError, RuntimeError):
-    """The input tars and the label tables disagree (a kept key is not in its tar)."""
+class ExportError(RunFailedError):
+    """The input tars and the label tables disagree (a kept key is not in its tar): the
+    export failed (exit 1), as a stage of a run does."""
 
 
 def kept_filter(min_label: float, subsets: tuple[str, ...]):
