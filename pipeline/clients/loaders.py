@@ -8,6 +8,8 @@ Contract:
   `labels/00042.parquet`) and loaded lazily, once per shard and process (a small LRU, since
   webdataset reads one shard at a time per worker). Samples without a label row (quarantined,
   or from a shard the run did not label) are dropped. `label(sample)` gives the soft label.
+  A run over several sources (`input.sources`) names its tables `<source>-<shard>` and keys
+  `<source>/<key>`: `LabelSelect(run, source="cc12m")` reads that source's original tars.
 - `label_weighted_clip_loss(image_features, text_features, logit_scale, soft_labels)`: CLIP's
   symmetric InfoNCE with each pair's positive terms weighted by its soft label (the loss the
   pipeline's co-teaching trainer uses, `pipeline.core.losses.training.weighted_infonce`), callable
@@ -32,6 +34,7 @@ class LabelSelect:
         min_label: float = 0.5,
         subsets: tuple[str, ...] | list[str] | None = None,
         cache_shards: int = 4,
+        source: str | None = None,
     ) -> None:
         """
         Args:
@@ -40,6 +43,8 @@ class LabelSelect:
             min_label: keep `soft_label >= min_label`.
             subsets: also require `subset` in these (None: any subset).
             cache_shards: shards whose {key: label} stay in memory.
+            source: the `input.sources` name of the tars this predicate reads (None: a run
+                over `input.shards`).
         """
         from pipeline.clients.read import labels_folder
 
@@ -50,6 +55,7 @@ class LabelSelect:
         self.min_label = float(min_label)
         self.subsets = tuple(subsets) if subsets else None
         self.cache_shards = cache_shards
+        self.source = source
         self._cache: OrderedDict[str, dict[str, float]] = OrderedDict()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -72,9 +78,12 @@ class LabelSelect:
         Args:
             sample: a webdataset sample dict with `__key__` and `__url__`.
         """
-        from pipeline.io.shards import shard_name
+        from pipeline.io.shards import qualify_key, shard_name, source_location
 
-        return self._labels(shard_name(str(sample["__url__"]))).get(sample["__key__"])
+        url = str(sample["__url__"])
+        if self.source is not None:
+            url = source_location(self.source, url)
+        return self._labels(shard_name(url)).get(qualify_key(self.source, sample["__key__"]))
 
     def __call__(self, sample: dict[str, Any]) -> bool:
         label = self.label(sample)

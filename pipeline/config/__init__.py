@@ -203,8 +203,9 @@ def _describe_error(error: dict[str, Any]) -> str:
         return f"unknown key '{dotted}'" + (f" ({'; '.join(hints)})" if hints else "")
     if kind == "missing":
         return f"missing required key '{dotted}': add it to the job file or pass --set {dotted}=..."
-    if not path and kind == "value_error":
-        # A whole-job check (e.g. train.mode vs eval.ground_truth): its message names the keys.
+    if kind == "value_error" and (not path or isinstance(error.get("input"), dict)):
+        # A whole-job or whole-section check (e.g. train.mode vs eval.ground_truth, input.shards
+        # vs input.sources): its message names the keys.
         return str(error["msg"]).removeprefix("Value error, ")
     value = error.get("input")
     plain = isinstance(value, (str, int, float, bool, type(None)))

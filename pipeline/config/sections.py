@@ -19,9 +19,26 @@ class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class InputConfig(_Section):
+class SourceConfig(_Section):
+    name: str = Field(
+        description="Source name, an identifier (letter, then letters, digits, '_'), unique: "
+        "qualifies its shard names (<name>-00000) and keys (<name>/000000001)."
+    )
     shards: str | list[str] = Field(
-        description="Tar shards: brace pattern, glob, list, local path or fsspec URL."
+        description="This source's tar shards, in any form input.shards accepts."
+    )
+
+
+class InputConfig(_Section):
+    shards: str | list[str] | None = Field(
+        None,
+        description="Tar shards: brace pattern, glob, list, local path or fsspec URL "
+        "(one unnamed source; or use input.sources).",
+    )
+    sources: list[SourceConfig] | None = Field(
+        None,
+        description="Several downloads in one run, instead of input.shards: a list of "
+        "{name, shards}; keys and shard names are qualified by the source's name.",
     )
     image_key: Literal["auto", "jpg", "jpeg", "png", "webp"] = Field(
         "auto", description="Image member extension; auto picks the first of jpg/jpeg/png/webp."
@@ -50,6 +67,23 @@ class InputConfig(_Section):
                 "fraction below 1 (e.g. 0.05)"
             )
         return value
+
+    @model_validator(mode="after")
+    def _shards_or_sources(self) -> InputConfig:
+        if (self.shards is None) == (self.sources is None):
+            raise ValueError(
+                "input needs exactly one of input.shards (one download) and input.sources "
+                "(several, each {name, shards})"
+            )
+        if self.sources is not None and not self.sources:
+            raise ValueError("input.sources is empty: list at least one {name, shards}")
+        return self
+
+    def shard_specs(self) -> list[tuple[str | None, str | list[str]]]:
+        """(source name, shard spec) per source; (None, input.shards) for one unnamed source."""
+        if self.sources is None:
+            return [(None, self.shards)]
+        return [(source.name, source.shards) for source in self.sources]
 
     def failed_shards_allowed(self, shards: int) -> int:
         """How many of `shards` may fail before the run stops."""

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.io.shard_patterns import split_source
+
 __all__ = [
     "SHARD_BYTES_KEY",
     "SHARD_SHA256_KEY",
@@ -81,7 +83,7 @@ def shard_size(path: str) -> int | None:
     import fsspec
 
     try:
-        fs, _, paths = fsspec.get_fs_token_paths(path)
+        fs, _, paths = fsspec.get_fs_token_paths(split_source(path)[1])
         return int(fs.info(paths[0])["size"])
     except (FileNotFoundError, OSError, KeyError, ValueError):
         return None
@@ -95,7 +97,7 @@ def changed_shards(recorded: dict[str, tuple[str, int | None]]) -> dict[str, str
     """
     changed = {}
     for shard, (path, size) in recorded.items():
-        if path.startswith("pipe:"):
+        if split_source(path)[1].startswith("pipe:"):
             continue  # a command's output has no size to check before reading it
         now = shard_size(path)
         if now is None:

@@ -14,6 +14,12 @@ Contract (part of :mod:`pipeline.io.shards`, docs/architecture.md §4.1):
 * Existence is checked without reading any shard: one directory listing per directory on object
   stores (cheaper than a request per shard), per-path checks for small sets.
 * :func:`shard_name` is the name every per-shard output table is keyed by.
+* Several sources (:func:`expand_sources`): each source's spec is expanded as above and its
+  locations are tagged ``<source>=<location>`` (:func:`source_location`); a tagged shard is
+  named ``<source>-<name>`` and its keys are read as ``<source>/<key>`` (:func:`qualify_key`),
+  so two downloads that both start at ``00000.tar`` and key ``000000000`` never collide. Source
+  names are identifiers (no ``-``, ``=`` or ``/``), so a qualified name splits back one way only.
+  Whoever opens a shard strips the tag first (:func:`split_source`).
 """
 
 from __future__ import annotations
@@ -34,7 +40,16 @@ from fsspec.core import url_to_fs
 
 from pipeline.errors import UserError
 
-__all__ = ["ShardPatternError", "expand_shard_patterns", "shard_name"]
+__all__ = [
+    "SOURCE_NAME_RE",
+    "ShardPatternError",
+    "expand_shard_patterns",
+    "expand_sources",
+    "qualify_key",
+    "shard_name",
+    "source_location",
+    "split_source",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +66,11 @@ _SHARD_IN_COMMAND_RE = re.compile(
 )
 _RANGE_RE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?\}")  # a numeric brace range
 _GLOB_CHARS = frozenset("*?[")
+# A source name: an identifier, so "<source>-<shard>" and "<source>/<key>" split back one way.
+SOURCE_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*\Z")
+# Expanded locations are absolute paths, URLs ("proto://", "a::b") or "pipe:" commands: none
+# starts with an identifier followed by "=", so the tag cannot be mistaken for a location.
+_TAGGED_RE = re.compile(r"([A-Za-z][A-Za-z0-9_]*)=(.+)\Z", re.S)
 
 
 class ShardPatternError(UserError, ValueError):
@@ -283,16 +303,84 @@ def expand_shard_patterns(spec: str | Sequence[str], *, allow_pipe: bool = False
     return results
 
 
+def source_location(source: str, location: str) -> str:
+    """``location`` tagged as a shard of ``source``: ``"cc3m=/d/cc3m/00000.tar"``."""
+    return f"{source}={location}"
+
+
+def split_source(location: str) -> tuple[str | None, str]:
+    """(source or None, the location to open) of a possibly tagged shard location."""
+    match = _TAGGED_RE.match(location)
+    return (match.group(1), match.group(2)) if match else (None, location)
+
+
+def qualify_key(source: str | None, key: str) -> str:
+    """A sample key as every table carries it: ``"<source>/<key>"``, or the key as given
+    for an unnamed source (``input.shards``)."""
+    return key if source is None else f"{source}/{key}"
+
+
+def expand_sources(
+    sources: Sequence[tuple[str | None, str | Sequence[str]]], *, allow_pipe: bool = False
+) -> list[str]:
+    """Expand the shard specs of one or more sources into shard locations.
+
+    Args:
+        sources: (name, spec) pairs; a single ``(None, spec)`` is the unnamed source of
+            ``input.shards`` and gives exactly :func:`expand_shard_patterns`'s locations.
+        allow_pipe: as in :func:`expand_shard_patterns`.
+
+    Returns:
+        Locations, source by source in the given order; named sources' locations tagged with
+        :func:`source_location`.
+
+    Raises:
+        ShardPatternError: a spec fails to expand (the message names its source), a source name
+            is not an identifier or repeats, or one shard belongs to two sources.
+    """
+    if len(sources) == 1 and sources[0][0] is None:
+        return expand_shard_patterns(sources[0][1], allow_pipe=allow_pipe)
+    owner: dict[str, str] = {}  # location -> its source
+    tagged: list[str] = []
+    names = [name for name, _ in sources]
+    for name, spec in sources:
+        if name is None or not SOURCE_NAME_RE.match(name) or names.count(name) > 1:
+            raise ShardPatternError(
+                f"source name {name!r} must be an identifier (a letter, then letters, digits or "
+                "'_') used by one source only"
+            )
+        try:
+            locations = expand_shard_patterns(spec, allow_pipe=allow_pipe)
+        except ShardPatternError as exc:
+            raise ShardPatternError(f"source {name!r}: {exc}") from exc
+        for location in locations:
+            if location in owner:
+                raise ShardPatternError(
+                    f"shard {location!r} is in source {owner[location]!r} and in source "
+                    f"{name!r}; list each shard in one source only"
+                )
+            owner[location] = name
+            tagged.append(source_location(name, location))
+    return tagged
+
+
 def shard_name(path: str) -> str:
     """Shard name used for output tables: the basename without its tar suffix.
 
     Args:
         path: Local path, fsspec URL (query strings are dropped) or ``pipe:`` command (the last
-            ``*.tar``-like word of the command is used).
+            ``*.tar``-like word of the command is used), tagged with its source or not.
 
     Returns:
-        E.g. ``"/x/00042.tar"`` -> ``"00042"``, ``"s3://b/00042.tar.gz"`` -> ``"00042"``.
+        E.g. ``"/x/00042.tar"`` -> ``"00042"``, ``"s3://b/00042.tar.gz"`` -> ``"00042"``,
+        ``"cc3m=/x/00042.tar"`` -> ``"cc3m-00042"``.
     """
+    source, path = split_source(path)
+    name = _base_name(path)
+    return name if source is None else f"{source}-{name}"
+
+
+def _base_name(path: str) -> str:
     if path.startswith("pipe:"):
         matches = _SHARD_IN_COMMAND_RE.findall(path)
         if matches:

@@ -11,6 +11,8 @@ Contract (docs/architecture.md §4.1):
   skipped with a warning, missing plainly listed paths are an error, a spec matching nothing is an
   error, two shards with the same :func:`shard_name` are an error (outputs are keyed by it).
   ``pipe:`` commands are refused unless the job opts in with ``allow_pipe=True``.
+  :func:`expand_sources` does this per named source (``input.sources``) and tags each location
+  with its source: such a shard is named ``<source>-<name>`` and its keys read ``<source>/<key>``.
 * **Grouping.** Members are grouped into samples webdataset-style: consecutive members sharing a
   key, the member name up to the first ``.`` of its basename (``dir/000000001.jpg`` has key
   ``dir/000000001`` and extension ``jpg``). Extensions are compared lower-cased. Keys are kept as
@@ -87,7 +89,15 @@ from pipeline.io.records import (
     RawRecord,
     Rejection,
 )
-from pipeline.io.shard_patterns import ShardPatternError, expand_shard_patterns, shard_name
+from pipeline.io.shard_patterns import (
+    ShardPatternError,
+    expand_shard_patterns,
+    expand_sources,
+    qualify_key,
+    shard_name,
+    source_location,
+    split_source,
+)
 from pipeline.io.tar_reader import (
     DEFAULT_MAX_MEMBER_BYTES,
     ShardReadError,
@@ -110,6 +120,10 @@ __all__ = [
     "ShardReadStats",
     "decode_record",
     "expand_shard_patterns",
+    "expand_sources",
     "iter_shard_records",
+    "qualify_key",
     "shard_name",
+    "source_location",
+    "split_source",
 ]

@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 import fsspec
 
 from pipeline.io.records import ALLOWED_EXTENSIONS, RawRecord, Rejection
-from pipeline.io.shard_patterns import shard_name
+from pipeline.io.shard_patterns import qualify_key, shard_name, split_source
 
 __all__ = [
     "DEFAULT_MAX_MEMBER_BYTES",
@@ -264,9 +264,14 @@ def _wants_bytes(
 
 
 def _iter_archive(
-    archive: tarfile.TarFile, shard: str, stats: ShardReadStats, max_member_bytes: int
+    archive: tarfile.TarFile,
+    shard: str,
+    stats: ShardReadStats,
+    max_member_bytes: int,
+    source: str | None,
 ) -> Generator[RawRecord | Rejection, None, tuple[str | None, str | None, str | None]]:
-    """Group an open stream-mode archive into samples (see :func:`iter_shard_records`).
+    """Group an open stream-mode archive into samples (see :func:`iter_shard_records`); keys
+    come out qualified by ``source`` (:func:`qualify_key`).
 
     Returns (through ``StopIteration.value``) ``(error, last_good_member, pending_key)``; error
     is None when the archive ended with a proper end-of-archive marker.
@@ -293,6 +298,7 @@ def _iter_archive(
         stats.members_total += 1
         name = info.name
         key, ext = _split_member_name(name)
+        key = qualify_key(source, key) if key else key  # an empty key forms no sample
         unsafe = _is_unsafe_name(name)
         ignored = _not_a_sample_member(info, key, ext, unsafe)
         if ignored is not None:
@@ -334,7 +340,8 @@ def iter_shard_records(
     with ``stats.error`` set; callers should treat that as a retryable shard failure.
 
     Args:
-        path: Shard location as returned by :func:`expand_shard_patterns`.
+        path: Shard location as returned by :func:`expand_shard_patterns` or, tagged with its
+            source, by :func:`expand_sources` (keys then read as ``<source>/<key>``).
         stats: Counters to fill; a fresh one is used when None.
         max_member_bytes: Allow-listed members larger than this are not read and their sample
             is rejected as ``member_too_large``.
@@ -349,7 +356,8 @@ def iter_shard_records(
     """
     stats = stats if stats is not None else ShardReadStats()
     shard = shard_name(path)
-    with _open_stream(path, allow_pipe) as (raw, proc):
+    source, location = split_source(path)
+    with _open_stream(location, allow_pipe) as (raw, proc):
         fileobj = _HashingReader(raw)
         try:
             # Closed by the with below; a failed open needs its own error naming the path.
@@ -360,7 +368,7 @@ def iter_shard_records(
             raise ShardReadError(f"cannot read shard {path!r} as a tar archive: {exc}") from exc
         with archive:
             error, last_good, pending_key = yield from _iter_archive(
-                archive, shard, stats, max_member_bytes
+                archive, shard, stats, max_member_bytes, source
             )
         if error is None:
             try:

@@ -17,7 +17,7 @@ from typing import Any
 from pipeline.config import JobConfig
 from pipeline.errors import RunFailedError, RunInterrupted, ShardFailuresError, UserError
 from pipeline.io.layout import RunLayout
-from pipeline.io.shards import expand_shard_patterns, shard_name
+from pipeline.io.shards import expand_sources, shard_name, split_source
 from pipeline.io.tables import remove_path, write_json_atomic
 from pipeline.models import ModelSpec, check_weights_available
 from pipeline.models.fetch import fetch_weights
@@ -78,8 +78,9 @@ def _versions() -> dict[str, str]:
 
 
 def resolve_inputs(job: JobConfig) -> list[str]:
-    """The job's shard paths (expand_shard_patterns also refuses two shards with one name)."""
-    return expand_shard_patterns(job.input.shards, allow_pipe=job.input.allow_pipe)
+    """The job's shard paths, tagged with their source under input.sources (expand_sources
+    also refuses two shards with one name)."""
+    return expand_sources(job.input.shard_specs(), allow_pipe=job.input.allow_pipe)
 
 
 def _absolute(path: str | None) -> str | None:
@@ -343,8 +344,11 @@ def _admit_shards(job, layout: RunLayout, shard_paths, embed: dict, run: _RunRec
         )
     usable = [p for p in shard_paths if shard_name(p) in sizes]
     names = [shard_name(p) for p in usable]
+    sources = {shard_name(p): split_source(p)[0] for p in usable}
     keys = run.run_stage(
-        "round0/keys", usable, lambda stamp: run_key_check(layout.output, names, run_state=stamp)
+        "round0/keys",
+        usable,
+        lambda stamp: run_key_check(layout.output, names, run_state=stamp, sources=sources),
     )
     run.record(0, "keys", keys)
     run.note_shards("duplicate_keys", keys["by_shard"])

@@ -66,8 +66,15 @@ _OPTIMISER = (
 # (embed concurrency, CPUs, GPUs, index shards, torch threads, checkpoint cadence, Ray) are
 # left out on purpose: changing them reuses everything.
 DEPENDS_ON: dict[str, tuple[str, ...]] = {
-    "embed": (*_DECODE, "model", "embed.batch_size", "embed.loss_permutations", "seed"),
-    "keys": (),
+    "embed": (
+        *_DECODE,
+        "input.sources",
+        "model",
+        "embed.batch_size",
+        "embed.loss_permutations",
+        "seed",
+    ),
+    "keys": ("input.sources",),
     "warmup": (
         *_DECODE,
         "model",
@@ -126,6 +133,11 @@ def stage_config(job, kind: str) -> dict[str, Any]:
         wanted += _TRAIN_READS_LABELS
     wanted = [w.replace("{method}", job.labels.method) for w in wanted]
     flat = _flatten(job.model_dump(mode="json"))
+    # Sources count by name (their shards' paths, like input.shards', are not results); absent
+    # under input.shards, so the keys of runs made before sources existed stay as they were.
+    sources = flat.pop("input.sources", None)
+    if sources:
+        flat["input.sources"] = [source["name"] for source in sources]
     return {
         key: value
         for key, value in sorted(flat.items())

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pipeline.config import JobConfig
 from pipeline.errors import UserError
 from pipeline.io.layout import RunLayout
-from pipeline.io.shards import expand_shard_patterns, shard_name
+from pipeline.io.shards import expand_sources, shard_name
 from pipeline.run.lease import LeaseHolder, read_holder
 from pipeline.run.manifest import REBUILT, read_manifest
 from pipeline.run.state import (
@@ -74,7 +74,7 @@ def predict_rerun(run_dir: str, job: JobConfig, manifest: dict | None = None) ->
     manifest = manifest if manifest is not None else _manifest(run_dir)
     layout = RunLayout(run_dir)
     graph = stage_graph(job)
-    paths = {shard_name(p): p for p in expand_shard_patterns(job.input.shards)}
+    paths = {shard_name(p): p for p in expand_sources(job.input.shard_specs())}
     keys = round0_shard_keys(job, graph[0], {}, paths)
     found = table_keys({name: layout.embeddings(0, name) for name in keys})
     failed = {f["shard"] for f in (manifest.get("shards") or {}).get("failed", [])}

@@ -12,6 +12,11 @@ Contract:
   between the writes is harmless. Later rounds and training read only admitted keys, so the
   rows dropped here reach no later stage; stale later-round embeddings of a rewritten shard (an
   earlier run's) are deleted.
+- Several sources (`input.sources`): keys are qualified by their source, so the key check finds
+  repeats within a source only; a second pass then finds the same pair (the same image bytes,
+  `image_sha256`, and the same caption) in several sources, keeps it in the first source
+  listed (its first shard there) and quarantines it in the others as `duplicate_pair`, the
+  same way. Repeats of a pair within one source are kept, as under `input.shards`.
 
 How it runs (no key reaches the driver): one map task per shard reads the `key` column and
 splits it by a hash of the key into P partitions, returned as P objects in the object store;
@@ -25,9 +30,11 @@ driver holds O(shards x partitions) counts.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import zlib
 from collections import Counter
+from collections.abc import Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -54,29 +61,51 @@ def partitions_for(total_keys: int, shards: int) -> int:
     return max(1, min(-(-total_keys // KEYS_PER_PARTITION), 4096, max(shards, 1) * 4))
 
 
-def _split_keys(embeddings_path: str, shard_index: int, parts: int):
-    """Map: the shard's keys split into `parts` tables (key, shard index) by key hash."""
+def _pair_ids(table: pa.Table) -> list[str]:
+    """A pair's identity across sources: a hash of its image bytes' sha256 and its caption."""
+    images = table.column("image_sha256").to_pylist()
+    captions = table.column("caption").to_pylist()
+    return [
+        hashlib.blake2b(f"{image}\0{caption}".encode(), digest_size=16).hexdigest()
+        if image is not None  # tables written before image hashes existed: no identity
+        else f"key:{key}"
+        for image, caption, key in zip(
+            images, captions, table.column("key").to_pylist(), strict=True
+        )
+    ]
+
+
+def _split_keys(embeddings_path: str, shard_index: int, parts: int, scope: int | None):
+    """Map: the shard's rows split into `parts` tables by a hash of their identity.
+
+    `scope` None: the key is the identity and the shard the scope (columns key, shard, scope);
+    else the pair (`_pair_ids`, column id) and `scope` is the shard's source.
+    """
     import pyarrow.parquet as pq
 
-    keys = pq.read_table(embeddings_path, columns=["key"]).column("key").to_pylist()
-    bucket = np.array([zlib.crc32(k.encode()) % parts for k in keys], dtype=np.int64)
-    key_array = pa.array(keys, pa.string())
+    columns = ["key"] if scope is None else ["key", "image_sha256", "caption"]
+    table = pq.read_table(embeddings_path, columns=columns)
+    keys = table.column("key").to_pylist()
+    ids = keys if scope is None else _pair_ids(table)
+    bucket = np.array([zlib.crc32(k.encode()) % parts for k in ids], dtype=np.int64)
+    arrays = {"key": pa.array(keys, pa.string())}
+    if scope is not None:
+        arrays["id"] = pa.array(ids, pa.string())
     out = []
     for part in range(parts):
-        rows = np.flatnonzero(bucket == part)
-        out.append(
-            pa.table(
-                {
-                    "key": key_array.take(pa.array(rows)),
-                    "shard": pa.array(np.full(len(rows), shard_index, np.int32)),
-                }
-            )
+        rows = pa.array(np.flatnonzero(bucket == part))
+        picked = {name: array.take(rows) for name, array in arrays.items()}
+        picked["shard"] = pa.array(np.full(len(rows), shard_index, np.int32))
+        picked["scope"] = pa.array(
+            np.full(len(rows), shard_index if scope is None else scope, np.int32)
         )
+        out.append(pa.table(picked))
     return out[0] if parts == 1 else tuple(out)
 
 
-def _find_losers(*tables: pa.Table):
-    """Reduce: the rows of keys seen in several shards that are not in the first of them.
+def _find_losers(by: str, *tables: pa.Table):
+    """Reduce: the rows of identities (column `by`) seen in several scopes that are not in the
+    first scope; the first shard holding the identity keeps it.
 
     Returns ({shard index: losers}, table of key, shard, keeper).
     """
@@ -87,28 +116,33 @@ def _find_losers(*tables: pa.Table):
     )  # fmt: skip
     if table.num_rows == 0:
         return {}, empty
-    grouped = table.group_by("key").aggregate([("shard", "min"), ("shard", "count")])
-    repeated = grouped.filter(pc.greater(grouped["shard_count"], 1))
+    grouped = table.group_by(by).aggregate(
+        [("shard", "min"), ("scope", "min"), ("scope", "count_distinct")]
+    )
+    repeated = grouped.filter(pc.greater(grouped["scope_count_distinct"], 1))
     if repeated.num_rows == 0:
         return {}, empty
-    keepers = repeated.select(["key", "shard_min"]).rename_columns(["key", "keeper"])
-    joined = table.join(keepers, "key", join_type="inner")
-    losers = joined.filter(pc.not_equal(joined["shard"], joined["keeper"]))
+    keepers = repeated.select([by, "shard_min", "scope_min"])
+    joined = table.join(keepers.rename_columns([by, "keeper", "keep_scope"]), by, join_type="inner")
+    losers = joined.filter(pc.not_equal(joined["scope"], joined["keep_scope"]))
     losers = losers.select(["key", "shard", "keeper"])
     counts = Counter(losers.column("shard").to_pylist())
     return dict(counts), losers
 
 
-def _quarantine_rows(keys: list[str], shard: str, keepers: list[str]) -> pa.Table:
+def _quarantine_rows(reason: str, keys: list[str], shard: str, keepers: list[str]) -> pa.Table:
+    if reason == "duplicate_pair":
+        what, why = "the same image and caption are", "the first source listed"
+    else:
+        what, why = "key {key!r} is", "the first shard in sorted order"
     return pa.table(
         {
             "key": keys,
             "shard": [shard] * len(keys),
             "member": [None] * len(keys),
-            "reason": ["duplicate_key"] * len(keys),
+            "reason": [reason] * len(keys),
             "detail": [
-                f"key {key!r} is also in shard {keeper!r}, which keeps it (the first shard in "
-                "sorted order)"
+                f"{what.format(key=key)} also in shard {keeper!r}, which keeps it ({why})"
                 for key, keeper in zip(keys, keepers, strict=True)
             ],
         },
@@ -116,7 +150,9 @@ def _quarantine_rows(keys: list[str], shard: str, keepers: list[str]) -> pa.Tabl
     )
 
 
-def _drop_losers(output: str, shard: str, shard_index: int, names: list[str], *losers: pa.Table):
+def _drop_losers(
+    output: str, reason: str, shard: str, shard_index: int, names: list[str], *losers: pa.Table
+):
     """Apply task: quarantine, then drop from the round-0 embeddings, this shard's losers."""
     import fsspec
     import pyarrow.parquet as pq
@@ -129,17 +165,13 @@ def _drop_losers(output: str, shard: str, shard_index: int, names: list[str], *l
     dropped = pa.array(keys, pa.string())
 
     quarantine_path = layout.quarantine(shard)
-    rows = _quarantine_rows(keys, shard, keepers)
+    rows = _quarantine_rows(reason, keys, shard, keepers)
     if file_exists(quarantine_path):  # small: a shard's quarantine rows
         replaced = set(keys)
         earlier = [
             row
             for row in pq.read_table(quarantine_path).to_pylist()
-            if not (
-                row["reason"] == "duplicate_key"
-                and row["member"] is None
-                and row["key"] in replaced
-            )
+            if not (row["reason"] == reason and row["member"] is None and row["key"] in replaced)
         ]
         rows = pa.concat_tables([pa.Table.from_pylist(earlier, schema=QUARANTINE_SCHEMA), rows])
     write_table_atomic(rows, quarantine_path, QUARANTINE_SCHEMA)
@@ -156,26 +188,57 @@ def _drop_losers(output: str, shard: str, shard_index: int, names: list[str], *l
     return len(keys)
 
 
-def run_key_check(output: str, shards: list[str], run_state: dict | None = None) -> dict:
+def run_key_check(
+    output: str,
+    shards: list[str],
+    run_state: dict | None = None,
+    sources: Mapping[str, str | None] | None = None,
+) -> dict:
     """Quarantine corpus-wide duplicate keys among `shards` (names with round-0 embeddings).
 
     Args:
         run_state: the run-state key of the check; with it, the summary is written last to
             `rounds/0/_keys.json` with the key (`pipeline.io.layout.RUN_STATE_FIELD`).
+        sources: shard name -> its source (`input.sources`); with two sources or more, pairs
+            repeated across sources are quarantined too (`duplicate_pair`).
 
-    Returns {"duplicates": n, "by_shard": {shard: n}, "partitions": P}.
+    Returns {"duplicates": n, "by_shard": {shard: n}, "partitions": P}, and with several
+    sources "duplicate_pairs": n, "pairs_by_shard": {shard: n}.
     """
     layout = RunLayout(output)
     if run_state is not None:
         remove_path(layout.keys_summary)  # an earlier check's; this one's is written last
-    summary = _key_check(layout, sorted(shards))
+    names = sorted(shards)
+    summary = _key_check(layout, names, None)
+    by_source = _by_source(names, sources or {})
+    if by_source is not None:
+        pairs = _key_check(layout, *by_source)
+        summary.update(duplicate_pairs=pairs["duplicates"], pairs_by_shard=pairs["by_shard"])
     if run_state is not None:
         summary[RUN_STATE_FIELD] = run_state
         write_json_atomic(summary, layout.keys_summary)
     return summary
 
 
-def _key_check(layout: RunLayout, names: list[str]) -> dict:
+def _by_source(
+    names: list[str], sources: Mapping[str, str | None]
+) -> tuple[list[str], list[int]] | None:
+    """The shards ordered source by source (in the order the sources are listed, then by name)
+    and each one's source as a number; None under fewer than two sources.
+
+    The pair pass keeps an identity in its first shard in this order, so in the first source.
+    """
+    rank = {source: i for i, source in enumerate(dict.fromkeys(sources.values()))}
+    if len(rank) < 2:
+        return None
+    ordered = sorted(names, key=lambda name: (rank[sources[name]], name))
+    return ordered, [rank[sources[name]] for name in ordered]
+
+
+def _key_check(layout: RunLayout, names: list[str], scopes: list[int] | None) -> dict:
+    """One map/reduce/apply pass: by key (`scopes` None) or by pair across sources (`scopes`:
+    each shard's source, not decreasing along `names`). The first shard of `names` that holds
+    an identity keeps it."""
     import pyarrow.parquet as pq
     import ray
 
@@ -188,12 +251,16 @@ def _key_check(layout: RunLayout, names: list[str]) -> dict:
     split = ray.remote(num_cpus=1, max_retries=3)(_split_keys)
     find = ray.remote(num_cpus=1, max_retries=3)(_find_losers)
     drop = ray.remote(num_cpus=1, max_retries=3)(_drop_losers)
+    by, reason = ("key", "duplicate_key") if scopes is None else ("id", "duplicate_pair")
 
-    mapped = [split.options(num_returns=parts).remote(p, i, parts) for i, p in enumerate(paths)]
+    mapped = [
+        split.options(num_returns=parts).remote(p, i, parts, scopes[i] if scopes else None)
+        for i, p in enumerate(paths)
+    ]
     if parts == 1:
         mapped = [[ref] for ref in mapped]
     reduced = [
-        find.options(num_returns=2).remote(*[m[part] for m in mapped]) for part in range(parts)
+        find.options(num_returns=2).remote(by, *[m[part] for m in mapped]) for part in range(parts)
     ]
     counts = ray.get([counts_ref for counts_ref, _ in reduced])
     holders: dict[int, list] = {}
@@ -201,14 +268,16 @@ def _key_check(layout: RunLayout, names: list[str]) -> dict:
         for shard_index in part_counts:
             holders.setdefault(shard_index, []).append(reduced[part][1])
     applied = [
-        drop.remote(output, names[i], i, names, *refs) for i, refs in sorted(holders.items())
+        drop.remote(output, reason, names[i], i, names, *refs)
+        for i, refs in sorted(holders.items())
     ]
     dropped = ray.get(applied)
     by_shard = {names[i]: n for i, n in zip(sorted(holders), dropped, strict=True)}
     if by_shard:
+        what = "keys" if scopes is None else "pairs (same image and caption)"
         logger.warning(
-            "duplicate keys: "
+            f"duplicate {what}: "
             + ", ".join(f"{n} in {shard}" for shard, n in by_shard.items())
-            + " also appear in an earlier shard; quarantined as duplicate_key there"
+            + f" also appear in an earlier shard; quarantined as {reason} there"
         )
     return {"duplicates": sum(by_shard.values()), "by_shard": by_shard, "partitions": parts}
