@@ -150,10 +150,15 @@ def test_rayjob_volumes_mounted_everywhere(rayjob):
             assert {"/data", "/runs"} <= mounts.keys()
             for name in mounts.values():
                 assert name in volumes  # every mount refers to a declared volume
-    # The job writes where the volumes are: input and output paths of jobs/cc3m.yaml.
+    # The job reads and writes where the volumes are: input, output, eval shards, and the
+    # weights cache, which every pod must share (the driver fetches once, every worker reads).
     job = yaml.safe_load((REPO / "jobs" / "cc3m.yaml").read_text(encoding="utf-8"))
     assert str(job["input"]["shards"]).startswith("/data/")
+    assert str(job["eval"]["val_shards"]).startswith("/data/")
     assert str(job["output"]).startswith("/runs/")
+    for container in _containers(rayjob):
+        mounts = [m["mountPath"].rstrip("/") + "/" for m in container["volumeMounts"]]
+        assert any(job["model"]["cache_dir"].startswith(m) for m in mounts)
 
 
 def test_rayjob_image_and_ray_version_match_dockerfile(rayjob, dockerfile):

@@ -45,6 +45,16 @@ def test_a_tag_is_fetched_once_and_then_loads_offline(tiny_tag):
     assert all(torch.equal(loaded[name], value) for name, value in weights.items())
 
 
+def test_a_tag_is_fetched_into_model_cache_dir(tiny_tag, tmp_path):
+    source, _ = tiny_tag
+    spec = ModelSpec("ncl-tiny", "unit", cache_dir=str(tmp_path / "shared"))
+    path = fetch_weights(spec)
+    assert path == str(tmp_path / "shared" / "ncl-tiny-unit.pt")
+    assert Path(path).read_bytes() == source.read_bytes()
+    assert not os.path.exists(os.path.expanduser("~/.cache/clip"))  # nothing in the default
+    check_weights_available(spec)  # offline: found in model.cache_dir
+
+
 def test_nothing_to_fetch_for_random_init_or_a_file(tiny_tag):
     source, _ = tiny_tag
     assert fetch_weights(ModelSpec("ncl-tiny", None)) is None

@@ -20,6 +20,7 @@ from __future__ import annotations
 from open_clip import pretrained as _oc_pretrained
 
 from pipeline.models.spec import ModelSpec, arch_name, split_schema
+from pipeline.models.weights import cache_dir_of
 
 __all__ = ["fetch_weights"]
 
@@ -30,8 +31,7 @@ def fetch_weights(spec: ModelSpec) -> str | None:
     `check_weights_available` explains)."""
     if spec.pretrained is None and not spec.name.startswith("hf-hub:"):
         return None
-    # ModelSpec.cache_dir is model.cache_dir (getattr: a spec built before the field existed).
-    cache_dir = getattr(spec, "cache_dir", None)
+    cache_dir = cache_dir_of(spec)
     schema, ident = split_schema(spec.name)
     if schema == "hf-hub":
         _oc_pretrained.download_pretrained_from_hf(
