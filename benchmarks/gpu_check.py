@@ -18,7 +18,7 @@ the Ray job on a synthetic 224 px corpus: embed, warm-up, label passes on GPU in
 the smoke passed), one co-teaching round, one DDP worker per GPU (CLI subprocesses).
 Every figure is one JSON line on stdout; a missing dependency or a step that cannot run is a
 line {"figure": ..., "skipped": "<why>"}, never a traceback. `--device cpu` runs the same steps
-at tiny sizes in well under a minute (tests/test_gpu_check.py runs the kernels part).
+at tiny sizes (tests/test_gpu_check.py runs the kernels part that way).
 """
 
 from __future__ import annotations
