@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy.special import betaln, logsumexp
 
 from pipeline.core.mixture.histogram import (
@@ -190,7 +191,7 @@ def _check_fittable(hist: LossHistogram) -> bool:
         )
     # A histogram built over a range wider than its data can still hold a single value; with
     # fewer than two occupied bins there is nothing to separate, which is also "no spread".
-    return has_spread(hist.lo, hist.hi) and np.count_nonzero(hist.counts) >= 2
+    return has_spread(hist.lo, hist.hi) and int(np.count_nonzero(hist.counts)) >= 2
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,7 +203,10 @@ def _beta_logpdf(x: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """(K, M) log Beta(x | a_k, b_k) for x (M,) strictly inside (0, 1)."""
     a = a[:, None]
     b = b[:, None]
-    return (a - 1.0) * np.log(x)[None, :] + (b - 1.0) * np.log1p(-x)[None, :] - betaln(a, b)
+    logpdf: np.ndarray = (
+        (a - 1.0) * np.log(x)[None, :] + (b - 1.0) * np.log1p(-x)[None, :] - betaln(a, b)
+    )
+    return logpdf
 
 
 def _bmm_moments(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -329,7 +333,8 @@ def fit_bmm(
 def _gauss_logpdf(x: np.ndarray, mu: np.ndarray, var: np.ndarray) -> np.ndarray:
     """(K, M) log N(x | mu_k, var_k)."""
     diff = x[None, :] - mu[:, None]
-    return -0.5 * (np.log(2.0 * np.pi * var)[:, None] + diff * diff / var[:, None])
+    logpdf: np.ndarray = -0.5 * (np.log(2.0 * np.pi * var)[:, None] + diff * diff / var[:, None])
+    return logpdf
 
 
 def _gmm_mstep(
@@ -368,7 +373,7 @@ def _gmm_em(
     max_iter: int,
     tol: float,
     reg_covar: float,
-    init: tuple[np.ndarray, np.ndarray, np.ndarray],
+    init: tuple[ArrayLike, ArrayLike, ArrayLike],
 ) -> dict[str, Any]:
     """sklearn's EM loop (1-D, 2 components) on values x (M,) with multiplicities counts (M,)."""
     mu, var, pi = (np.asarray(v, dtype=np.float64).copy() for v in init)
@@ -441,13 +446,16 @@ def fit_gmm(
     counts = hist.counts.astype(np.float64)
     keep = counts > 0
     x, counts = hist.centres[keep], counts[keep]
+    start: tuple[ArrayLike, ArrayLike, ArrayLike]
     if init is None:
         split = _two_means_split(x, counts)
         hard = np.zeros((2, x.size))
         hard[0, :split] = 1.0
         hard[1, split:] = 1.0
-        init = _gmm_mstep(x, hard * counts[None, :], reg_covar)
-    result = _gmm_em(x, counts, max_iter, tol, reg_covar, init)
+        start = _gmm_mstep(x, hard * counts[None, :], reg_covar)
+    else:
+        start = init
+    result = _gmm_em(x, counts, max_iter, tol, reg_covar, start)
     mu, var, pi = result["mu"], result["var"], result["pi"]
     return MixtureFit(
         kind="gmm",
@@ -527,7 +535,8 @@ def _posterior_fn(fit: MixtureFit) -> Callable[[np.ndarray], np.ndarray]:
             clean = const[c] + (a[c] - 1.0) * log_x + (b[c] - 1.0) * log_1mx
             noisy = const[o] + (a[o] - 1.0) * log_x + (b[o] - 1.0) * log_1mx
             # pi_c f_c / (pi_c f_c + pi_n f_n + 1e-12), the reference's form, in log space.
-            return np.exp(clean - np.logaddexp(np.logaddexp(clean, noisy), log_eps))
+            p: np.ndarray = np.exp(clean - np.logaddexp(np.logaddexp(clean, noisy), log_eps))
+            return p
 
         return posterior
     if fit.kind == "gmm":
@@ -538,7 +547,8 @@ def _posterior_fn(fit: MixtureFit) -> Callable[[np.ndarray], np.ndarray]:
         def posterior(x: np.ndarray) -> np.ndarray:
             clean = const[c] - 0.5 * (x - mu[c]) ** 2 / var[c]
             noisy = const[o] - 0.5 * (x - mu[o]) ** 2 / var[o]
-            return np.exp(clean - np.logaddexp(clean, noisy))  # sklearn's predict_proba: no eps
+            p: np.ndarray = np.exp(clean - np.logaddexp(clean, noisy))  # predict_proba: no eps
+            return p
 
         return posterior
     raise ValueError(f"unknown mixture kind {fit.kind!r}; choose one of {sorted(MIXTURES)}")
@@ -579,7 +589,10 @@ def _monotone_envelope(
         cell = np.clip(np.floor((x - grid_lo) / step).astype(np.int64), 0, MONOTONE_GRID - 2)
         exact = posterior(x)
         clipped = np.clip(exact, envelope[cell + 1], envelope[cell])
-        return np.where(cell >= peak, clipped, np.maximum(exact, values[peak]))
+        envelope_value: np.ndarray = np.where(
+            cell >= peak, clipped, np.maximum(exact, values[peak])
+        )
+        return envelope_value
 
     return monotone
 
@@ -615,6 +628,7 @@ def clean_posterior(
     clamp = fit.kind == "bmm" or use_monotone
     posterior = _posterior_fn(fit)
     if use_monotone:
+        assert fit.means is not None  # only a no-spread fit (returned above) has none
         noisy_mean = fit.means[fit.noisy_component]
         posterior = _monotone_envelope(posterior, grid_lo, grid_hi, noisy_mean)
     for start in range(0, values.size, POSTERIOR_CHUNK):
