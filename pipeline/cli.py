@@ -134,6 +134,15 @@ def validate(
     for spec in model_specs(job).values():
         weights = _guard(check_weights_available, spec)
         typer.echo(f"ok: model {job.model.name}: {weights.describe()}")
+    from pipeline.run.runner import embeddings_source
+
+    folder = _guard(embeddings_source, job)
+    if folder is not None:
+        pairs = sum(part.rows for part in folder.parts)
+        typer.echo(
+            f"ok: embeddings {folder.path}: {pairs:,} pairs in {len(folder.parts)} parts, "
+            f"{folder.dim}-dimensional {folder.dtype}"
+        )
 
 
 def _web_knobs(noise_model: str, knobs: list[str] | None):

@@ -79,6 +79,14 @@ def _section(annotation: object) -> type[BaseModel] | None:
     return None
 
 
+def _optional_section(annotation: object) -> type[BaseModel] | None:
+    """The section of a `Section | None` annotation (None for anything else)."""
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return None
+    args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    return _section(args[0]) if len(args) == 1 else None
+
+
 def _type_name(annotation: object) -> str:
     """A short, readable type: `int`, `str | null`, `"bmm" | "gmm"`, `list[str]`."""
     if annotation is None or annotation is type(None):
@@ -116,7 +124,10 @@ def _sections(
         child = _section(field.annotation)
         if child is None:
             leaves.append((name, field))
-        else:
+        # An optional section (`Section | None`) is a key of its own (default null) and a
+        # section whose keys are documented below.
+        child = child or _optional_section(field.annotation)
+        if child is not None:
             nested.extend(_sections(child, f"{prefix}{name}."))
     found = [(prefix.rstrip("."), model, leaves)] if leaves else []
     return found + nested

@@ -23,6 +23,7 @@ from pipeline.config.sections import (  # noqa: F401  (the public names of the c
     BicroTrainConfig,
     EmbedConfig,
     EvalConfig,
+    FromEmbeddingsConfig,
     IndexConfig,
     InputConfig,
     LabelsConfig,
@@ -79,6 +80,26 @@ class JobConfig(_Section):
             raise ValueError(
                 f"train.label_loss=soft_margin_triplet reads labels as margins (BiCro); "
                 f"labels.method={self.labels.method} needs train.label_loss=weighted_infonce"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _embeddings_fit_model(self) -> JobConfig:
+        # Later rounds and training start from model.*: embeddings of another model would
+        # make round 0 disagree with everything after it.
+        given = self.embed.from_embeddings
+        if given is None:
+            return self
+
+        def tag(value: str | None) -> str | None:
+            return value and value.strip().lower().replace("-", "_")
+
+        same_name = given.model.replace("/", "-") == self.model.name.replace("/", "-")
+        if not same_name or tag(given.pretrained) != tag(self.model.pretrained):
+            raise ValueError(
+                f"embed.from_embeddings was made by {given.model} ({given.pretrained}) but the "
+                f"job's model is {self.model.name} ({self.model.pretrained}); later rounds start "
+                "from model.*, so set model.name and model.pretrained to the embeddings' model"
             )
         return self
 

@@ -108,6 +108,28 @@ class ModelConfig(_Section):
     )
 
 
+class FromEmbeddingsConfig(_Section):
+    """Round 0 from a clip-retrieval inference folder instead of the model (docs/cc3m.md,
+    "Starting from embeddings you already have")."""
+
+    path: str = Field(
+        description="clip-retrieval inference output (img_emb/, text_emb/, metadata/): local "
+        "folder or fsspec URL; its embeddings replace the model in round 0's embed pass."
+    )
+    model: str = Field(
+        description="open_clip model that made them (clip-retrieval's open_clip:<model>/<tag> "
+        "gives <model>); must be model.name."
+    )
+    pretrained: str | None = Field(
+        description="Its pretrained tag or checkpoint (the <tag>; openai for clip-retrieval's "
+        "OpenAI names such as ViT-B/32); must be model.pretrained."
+    )
+    key_column: str = Field(
+        "auto",
+        description="Metadata column holding the img2dataset key; auto: key, else image_path.",
+    )
+
+
 class EmbedConfig(_Section):
     batch_size: int = Field(
         256, ge=2, description="Fixed loss batch b (docs/methods.md §1.1): negatives per sample."
@@ -131,6 +153,11 @@ class EmbedConfig(_Section):
     concurrency: int | Literal["auto"] = Field(
         "auto",
         description="Embed workers at a time; auto = number of GPUs, or 1 per 2 CPUs without GPUs.",
+    )
+    from_embeddings: FromEmbeddingsConfig | None = Field(
+        None,
+        description="Start from existing clip-retrieval embeddings of these shards "
+        "(docs/cc3m.md): round 0 reads them by key; pairs they lack are embedded by the model.",
     )
 
     @field_validator("concurrency")

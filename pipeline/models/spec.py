@@ -135,3 +135,14 @@ def split_schema(name: str) -> tuple[str | None, str]:
 def arch_name(name: str) -> str:
     # open_clip accepts "ViT-B/32" and looks up "ViT-B-32".
     return name.replace("/", "-")
+
+
+def config_embed_dim(name: str) -> int | None:
+    """D of a model's joint embedding, from its config without building it (None for an
+    hf-hub or local-dir name, whose config only loading reads)."""
+    schema, rest = split_schema(name)
+    if schema is not None:
+        return None
+    _register_model_configs()
+    config = open_clip.get_model_config(arch_name(rest))
+    return int(config["embed_dim"]) if config and "embed_dim" in config else None

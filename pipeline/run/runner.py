@@ -53,6 +53,7 @@ __all__ = [
     "ShardFailuresError",
     "coteach_spec",
     "decode_options",
+    "embeddings_source",
     "model_specs",
     "resolve_inputs",
     "round_models",
@@ -109,6 +110,20 @@ def _with_absolute_paths(job: JobConfig) -> JobConfig:
 def model_specs(job: JobConfig) -> dict[str, ModelSpec]:
     """The model views of round 0: view 'a' is the job's model seeded with the job's seed."""
     return {"a": round_models(job, {})["a"]}
+
+
+def embeddings_source(job: JobConfig):
+    """The job's embed.from_embeddings folder, checked (layout, row counts, dimension against
+    the model's config when it has one); None without one."""
+    given = job.embed.from_embeddings
+    if given is None:
+        return None
+    from pipeline.io.clip_retrieval import check_dim, open_embeddings_folder
+    from pipeline.models.spec import config_embed_dim
+
+    folder = open_embeddings_folder(given.path, given.key_column)
+    check_dim(folder, config_embed_dim(job.model.name), job.model.name)
+    return folder
 
 
 def _check_resume(job: JobConfig, layout: RunLayout) -> dict:
@@ -236,6 +251,7 @@ def run_job(job: JobConfig) -> dict:
     for spec in views.values():
         check_weights_available(spec)
         fetch_weights(spec)  # once, here: the workers then find the weights cached
+    embeddings_source(job)  # a folder that cannot be ingested fails here, before Ray
     with catch_interrupts() as interrupts, acquire_lease(layout, job.name):
         manifest = _check_resume(job, layout)
         return _run_held(job, layout, shard_paths, views, manifest, interrupts)
@@ -540,6 +556,7 @@ def _embed(run: _RunRecord, shard_paths: list[str], round_index: int, views) -> 
         decode=decode_options(job),
         write_quarantine=round_index == 0,  # the input does not change between rounds
         shard_keys=expected,
+        source=embeddings_source(job) if round_index == 0 and pending else None,
     )
     summary = run_embed_pass(spec, [paths[name] for name in pending], len(paths) - len(pending))
     after = {**found, **table_keys({name: tables[name] for name in pending})}

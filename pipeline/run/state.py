@@ -317,10 +317,15 @@ def stage_key(job, node: StageNode, tokens: Mapping[str, str], shards: str) -> S
 
 
 def embed_base(job, node: StageNode, tokens: Mapping[str, str]) -> StageKey:
-    """An embed pass's key before its shards: config and the models and admission it reads."""
-    return StageKey(
-        node.stage, stage_config(job, "embed"), {name: tokens.get(name, "") for name in node.inputs}
-    )
+    """An embed pass's key before its shards: config and the models and admission it reads;
+    round 0 from embed.from_embeddings also the folder's identity (its files' sizes and times:
+    rewritten embeddings are ingested again)."""
+    inputs = {name: tokens.get(name, "") for name in node.inputs}
+    if node.round_index == 0 and job.embed.from_embeddings is not None:
+        from pipeline.io.clip_retrieval import folder_token
+
+        inputs["from_embeddings"] = folder_token(job.embed.from_embeddings.path)
+    return StageKey(node.stage, stage_config(job, "embed"), inputs)
 
 
 def embed_key(base: StageKey, shard_keys: Mapping[str, str]) -> StageKey:

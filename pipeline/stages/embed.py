@@ -17,6 +17,12 @@ Contract:
   RCR de-duplicates images (docs/methods.md §6.3), and `uid` (the json's 128-bit `uid`, else the
   first 128 bits of sha256(key); `pipeline.io.labels.uid_of`), which the published label table
   carries for joins by a stable id.
+- Round 0 with `embed.from_embeddings` (`EmbedSpec.source`) still reads and decodes every
+  sample (quarantine, hashes and fingerprint as usual) but takes each pair's embeddings from
+  the clip-retrieval folder by key (`pipeline.io.clip_retrieval`), L2-normalised in fp32 as
+  `encode_pairs` returns them; a pair the folder lacks (or holds under another caption, or
+  twice) is embedded by the model, which is loaded anyway for its logit scale; the summary
+  counts both (`ingested`, `not_ingested`).
 - Round 0 records the tar's fingerprint (size, sha256 of the bytes as streamed) in the table's
   footer; its keys are what later stages may use (`pipeline.io.admitted`). Rounds >= 1 embed
   only those keys and write nothing for a shard whose fingerprint changed (`changed`).
@@ -40,6 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 import torch
+import torch.nn.functional as F
 
 from pipeline.config import EmbedConfig
 from pipeline.core.losses.per_sample import batched_losses, fixed_size_loss_batches
@@ -49,6 +56,12 @@ from pipeline.io.admitted import (
     ShardReference,
     fingerprint_change,
     read_reference,
+)
+from pipeline.io.clip_retrieval import (
+    EmbeddingLookup,
+    EmbeddingsFolder,
+    check_dim,
+    ingest_sentence,
 )
 from pipeline.io.labels import uid_of
 from pipeline.io.layout import STAGE_KEY_META, RunLayout
@@ -86,7 +99,10 @@ SUMMARY_COLUMNS = (
     "changed",  # rounds >= 1: the tar is not the file round 0 read (nothing written)
     "bytes",  # the tar's size as read (-1 when not read completely)
     "sha256",  # the tar's sha256 as read ("" when not read completely)
+    "ingested",  # pairs whose embeddings came from embed.from_embeddings
+    "not_ingested",  # JSON: {"reasons": {why: count}, "examples": [key, ...]} (model-embedded)
 )
+_EXAMPLES = 3  # keys named per shard and per pass when pairs were not ingested
 
 
 @dataclass(frozen=True)
@@ -102,6 +118,7 @@ class EmbedSpec:
     write_quarantine: bool = True  # only round 0 records quarantine; later rounds re-read
     device: str = "auto"
     shard_keys: Mapping[str, str] = field(default_factory=dict)  # shard -> run-state key (footer)
+    source: EmbeddingsFolder | None = None  # round 0's clip-retrieval embeddings, if any
 
 
 @dataclass
@@ -116,12 +133,34 @@ class _ShardBuffers:
     image_embeddings: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     text_embeddings: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     rejections: list[Rejection] = field(default_factory=list)
+    not_ingested: Counter = field(default_factory=Counter)  # why -> pairs the model embedded
+    not_ingested_keys: list[str] = field(default_factory=list)  # the first few
 
 
-def _preprocess(sample: DecodedSample | Rejection, loaded: LoadedClip):
+def _preprocess(sample: DecodedSample | Rejection, loaded: LoadedClip, lookup):
+    """(sample, its pixels, its row in `lookup` (-1: none), why not); pixels only for the
+    pairs the model embeds."""
     if isinstance(sample, Rejection):
-        return sample, None
-    return sample, loaded.preprocess(sample.image)
+        return sample, None, -1, ""
+    if lookup is not None:
+        found, why = lookup.find([sample.key], [sample.caption])
+        if found[0] >= 0:
+            return sample, None, int(found[0]), ""
+        return sample, loaded.preprocess(sample.image), -1, why[0]
+    return sample, loaded.preprocess(sample.image), -1, ""
+
+
+# This worker process's lookup of its last round-0 pass from embeddings (one folder at a time).
+_process_lookups: dict[EmbeddingsFolder, EmbeddingLookup] = {}
+
+
+def _lookup(spec: EmbedSpec) -> EmbeddingLookup | None:
+    if spec.source is None or spec.round_index != 0:
+        return None
+    if spec.source not in _process_lookups:
+        _process_lookups.clear()
+        _process_lookups[spec.source] = EmbeddingLookup(spec.source)
+    return _process_lookups[spec.source]
 
 
 def _load_views(spec: EmbedSpec) -> dict[str, LoadedClip]:
@@ -190,19 +229,42 @@ def embed_shards_on_cpu(batch: dict[str, np.ndarray], spec: EmbedSpec) -> dict[s
 
 def _decode_chunk(records, spec: EmbedSpec, loaded: LoadedClip, pool: ThreadPoolExecutor):
     """Decode + preprocess a chunk of raw records on the thread pool (returns futures)."""
+    lookup = _lookup(spec)
 
     def work(record):
         sample = decode_record(record, spec.decode)
-        return _preprocess(sample, loaded)
+        return _preprocess(sample, loaded, lookup)
 
     return [pool.submit(work, record) for record in records]
 
 
-def _embed_decoded(futures, buffers: _ShardBuffers, models: dict[str, LoadedClip]) -> None:
-    """Collect a decoded chunk and run every view's model on it."""
-    images, captions = [], []
+def _ingest_or_encode(lookup: EmbeddingLookup, loaded: LoadedClip, images, captions, rows):
+    """(B, D) float32 image and text embeddings: the folder's rows where `rows` >= 0
+    (L2-normalised in fp32, as `encode_pairs` returns them), the model's for the others."""
+    check_dim(lookup.folder, loaded.embed_dim, loaded.model_id)
+    rows = np.asarray(rows)
+    have, missing = np.flatnonzero(rows >= 0), np.flatnonzero(rows < 0)
+    image_emb = torch.zeros((len(rows), loaded.embed_dim))
+    text_emb = torch.zeros_like(image_emb)
+    if len(have):
+        image, text = lookup.read(rows[have])  # (n, D) the folder's dtype
+        image_emb[have] = F.normalize(torch.from_numpy(image.astype(np.float32)), dim=-1)
+        text_emb[have] = F.normalize(torch.from_numpy(text.astype(np.float32)), dim=-1)
+    if len(missing):
+        pixels = torch.stack([images[i] for i in missing])  # (m, 3, H, W)
+        tokens = loaded.tokenizer([captions[i] for i in missing])
+        image, text, _ = encode_pairs(loaded, pixels, tokens)
+        image_emb[missing], text_emb[missing] = image.cpu(), text.cpu()
+    return image_emb, text_emb
+
+
+def _embed_decoded(
+    futures, buffers: _ShardBuffers, models: dict[str, LoadedClip], lookup=None
+) -> None:
+    """Collect a decoded chunk and run every view's model on it (or read its embeddings)."""
+    images, captions, rows = [], [], []
     for future in futures:
-        sample, image = future.result()
+        sample, image, row, why = future.result()
         if isinstance(sample, Rejection):
             buffers.rejections.append(sample)
             continue
@@ -213,10 +275,20 @@ def _embed_decoded(futures, buffers: _ShardBuffers, models: dict[str, LoadedClip
         buffers.uids.append(uid_of(sample.key, sample.meta.get("uid")))
         captions.append(sample.caption)
         images.append(image)
-    if not images:
+        rows.append(row)
+        if why:
+            buffers.not_ingested[why] += 1
+            if len(buffers.not_ingested_keys) < _EXAMPLES:
+                buffers.not_ingested_keys.append(sample.key)
+    if not captions:
         return
-    pixels = torch.stack(images)  # (B, 3, H, W)
+    pixels = torch.stack(images) if lookup is None else None  # (B, 3, H, W)
     for view, loaded in models.items():
+        if lookup is not None:
+            image_emb, text_emb = _ingest_or_encode(lookup, loaded, images, captions, rows)
+            buffers.image_embeddings.setdefault(view, []).append(image_emb)
+            buffers.text_embeddings.setdefault(view, []).append(text_emb)
+            continue
         tokens = loaded.tokenizer(captions)  # (B, L)
         image_emb, text_emb, _ = encode_pairs(loaded, pixels, tokens)
         buffers.image_embeddings.setdefault(view, []).append(image_emb.cpu())
@@ -250,6 +322,7 @@ def _read_shard(
 ) -> _ShardBuffers:
     """Stream, decode and embed one shard; only `admitted` keys when given (rounds >= 1)."""
     buffers = _ShardBuffers()
+    lookup = _lookup(spec)
     first_model = next(iter(models.values()))
     pending = None  # futures of the chunk being decoded while the previous one is embedded
     chunk: list = []
@@ -263,12 +336,12 @@ def _read_shard(
         if len(chunk) == spec.embed.batch_size:
             futures = _decode_chunk(chunk, spec, first_model, pool)
             if pending is not None:
-                _embed_decoded(pending, buffers, models)
+                _embed_decoded(pending, buffers, models, lookup)
             pending, chunk = futures, []
     tail = _decode_chunk(chunk, spec, first_model, pool) if chunk else None
     for futures in (pending, tail):
         if futures is not None:
-            _embed_decoded(futures, buffers, models)
+            _embed_decoded(futures, buffers, models, lookup)
     return buffers
 
 
@@ -324,6 +397,10 @@ def embed_shard(
         "changed": changed,
         "bytes": stats.size if stats.size is not None else -1,
         "sha256": stats.sha256 or "",
+        "ingested": n - sum(buffers.not_ingested.values()) if _lookup(spec) else 0,
+        "not_ingested": json.dumps(
+            {"reasons": dict(buffers.not_ingested), "examples": buffers.not_ingested_keys}
+        ),
     }
 
 
@@ -402,6 +479,8 @@ class _PassTally:
     failed: list[dict] = field(default_factory=list)
     truncated: list[dict] = field(default_factory=list)
     changed: list[dict] = field(default_factory=list)
+    not_ingested: Counter = field(default_factory=Counter)  # why -> pairs the model embedded
+    not_ingested_keys: list[str] = field(default_factory=list)  # "<key> (shard <shard>)"
 
     def add(self, row: dict) -> tuple[int, str]:
         """Count one shard's summary row; returns (log level, status) for its log line."""
@@ -410,7 +489,12 @@ class _PassTally:
             embedded=int(row["embedded"]),
             quarantined=int(row["quarantined"]),
             short_batches=int(row["short_batches"]),
+            ingested=int(row["ingested"]),
         )
+        missed = json.loads(row["not_ingested"])
+        self.not_ingested.update(missed["reasons"])
+        for key in missed["examples"][: _EXAMPLES - len(self.not_ingested_keys)]:
+            self.not_ingested_keys.append(f"{key} (shard {row['shard']})")
         self.actor_seconds += float(row["seconds"])
         self.reasons.update(json.loads(row["reasons"]))
         self.ignored.update(json.loads(row["ignored_members"]))
@@ -513,6 +597,8 @@ def run_embed_pass(spec: EmbedSpec, shard_paths: list[str], reused: int = 0) -> 
         _embed_pending(spec, list(shard_paths), tally, started)
     seconds = time.perf_counter() - started
     totals = tally.totals
+    if spec.source is not None and spec.round_index == 0 and shard_paths:
+        _log_ingest(spec.source.path, totals, tally)
     return {
         "round": spec.round_index,
         "shards": len(shard_paths) + reused,
@@ -530,4 +616,14 @@ def run_embed_pass(spec: EmbedSpec, shard_paths: list[str], reused: int = 0) -> 
         # Summed per-shard busy time: throughput without start-up.
         "actor_seconds": tally.actor_seconds,
         "pairs_per_second": totals["embedded"] / seconds if seconds > 0 and shard_paths else None,
+        "ingested": totals["ingested"],
+        "not_ingested": dict(sorted(tally.not_ingested.items())),
     }
+
+
+def _log_ingest(folder: str, totals: Counter, tally: _PassTally) -> None:
+    """One sentence: how many pairs came from the folder, and which the model embedded."""
+    line = ingest_sentence(
+        folder, totals["ingested"], totals["embedded"], tally.not_ingested, tally.not_ingested_keys
+    )
+    logger.log(logging.WARNING if tally.not_ingested else logging.INFO, line)
