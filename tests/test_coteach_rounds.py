@@ -41,6 +41,7 @@ train:
   weight_decay: 0.1
   torch_threads: 1
   sps: {{quasi_start: 0.0, noisy_start: 0.5}}
+  report_to: tensorboard
 eval: {{ground_truth: {corpus}/ground_truth.parquet, test_shards: {corpus}/test/00000.tar}}
 seed: 3
 """
@@ -93,6 +94,31 @@ def test_each_round_writes_both_views_tables_and_trains(sps_run):
         # the default 0.5 these random-init models' y_p = P^ x S never passes the cut).
         assert 0 < second["proxy_pairs"] < second["pairs"] == first["pairs"]
     assert "co-teaching (coteach, labels sps)" in sps_run["log"]
+
+
+def test_the_console_and_tensorboard_show_the_same_epochs_counted_from_one(sps_run):
+    from test_tracking import read_scalars
+
+    log, rounds = sps_run["log"], sps_run["metrics"]["rounds"]
+    assert "round1/embed: recomputed because it has not run before" in log
+    history = rounds["1"]["train"]["views"]["A"]["history"]
+    for epoch, record in enumerate(history, start=1):
+        assert (
+            f"round 1 A epoch {epoch}/2: mean InfoNCE {record['loss']:.3f} (all pairs, "
+            f"unweighted), objective weighted InfoNCE + SPS consistency {record['objective']:.3f}"
+        ) in log
+    scalars = read_scalars(sps_run["out"] / "tensorboard")
+    assert scalars["round1/mean_infonce/A"] == [
+        (epoch, pytest.approx(r["loss"])) for epoch, r in enumerate(history, start=1)
+    ]
+    assert [step for step, _ in scalars["round0/mean_infonce/B"]] == [1]  # the warm-up
+    median = scalars["round1/pair_weight_p50/B"]
+    assert len(median) == 2 and all(0 <= value <= 1 for _, value in median)
+    table = {row["labels_round"]: row for row in sps_run["metrics"]["coteaching"]}
+    assert scalars["labels/auroc_a"] == [
+        (r, pytest.approx(table[r]["auroc_a"])) for r in sorted(table)
+    ]
+    assert [step for step, _ in scalars["heldout/rsum_A+B"]] == [0, 1]
 
 
 def test_views_differ_and_each_model_trains_on_the_other_views_labels(sps_run):

@@ -11,7 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import spearmanr
 
-from pipeline.core.metrics import label_quality, retrieval_recall, similarity_for_eval
+from pipeline.core.metrics import (
+    histogram_quantiles,
+    label_quality,
+    retrieval_recall,
+    similarity_for_eval,
+)
 
 # ------------------------------------------------------------------------------------------
 # Brute-force references
@@ -282,3 +287,20 @@ def test_label_quality_is_json_ready_and_bounded(seed, n):
         if value is not None and key != "reasons":
             assert isinstance(value, int | float) and not isinstance(value, np.generic)
             assert not (isinstance(value, float) and math.isnan(value))
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(st.floats(0.0, 1.0), min_size=1, max_size=200),
+    st.sampled_from([10, 100]),
+)
+def test_histogram_quantiles_are_within_one_bin_of_the_sample_quantiles(values, bins):
+    """Against numpy's quantile of the values themselves (the inverted CDF: the smallest value
+    with at least q of the sample at or below it)."""
+    counts = torch.histc(torch.tensor(values), bins=bins, min=0.0, max=1.0).tolist()
+    quantiles = (0.1, 0.5, 0.9)
+    width = 1.0 / bins
+    for q, got in zip(quantiles, histogram_quantiles(counts, quantiles), strict=True):
+        exact = float(np.quantile(np.asarray(values, np.float32), q, method="inverted_cdf"))
+        assert got - width - 1e-6 <= exact <= got + 1e-6, (q, exact, got)
+    assert histogram_quantiles([0.0] * bins, quantiles) == [None, None, None]

@@ -443,6 +443,12 @@ class TrainConfig(_Section):
         description="Times Ray Train restarts a round's workers after a failure (a lost node, "
         "a killed worker); each restart resumes from the last resume checkpoint.",
     )
+    report_to: Literal["none", "tensorboard", "wandb"] = Field(
+        "none",
+        description="Also send the numbers the console shows (per-epoch losses, pair weights, "
+        "validation rSum, label AUROC per round) to TensorBoard (<output>/tensorboard) or "
+        "Weights & Biases; never changes results.",
+    )
     warmup: WarmupConfig = WarmupConfig()
 
 

@@ -30,12 +30,37 @@ import torch
 
 __all__ = [
     "LABEL_KINDS",
+    "histogram_quantiles",
     "label_quality",
     "retrieval_recall",
     "similarity_for_eval",
 ]
 
 LABEL_KINDS = ("clean", "partial", "mismatched")  # ground-truth pair kinds of a synthetic corpus
+
+
+def histogram_quantiles(
+    counts, quantiles, low: float = 0.0, high: float = 1.0
+) -> list[float | None]:
+    """Quantiles of values known only by their histogram (e.g. pooled over training workers).
+
+    Args:
+        counts: (K,) counts of K equal bins over [low, high].
+        quantiles: each in [0, 1].
+
+    Returns:
+        Per quantile q, the upper edge of the first bin whose cumulative count reaches q times
+        the total: at most one bin width above the sample quantile. None for an empty histogram.
+    """
+    counts = np.asarray(counts, dtype=np.float64)  # (K,)
+    total = counts.sum()
+    if total <= 0:
+        return [None for _ in quantiles]
+    cumulative = np.cumsum(counts)  # (K,)
+    width = (high - low) / len(counts)
+    # A small tolerance: pooled float sums must not miss the bin that holds exactly q * total.
+    bins = [int(np.searchsorted(cumulative, q * total - 1e-9 * total)) for q in quantiles]
+    return [low + width * (min(b, len(counts) - 1) + 1) for b in bins]
 
 
 # --------------------------------------------------------------------------------------------

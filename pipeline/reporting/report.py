@@ -12,7 +12,9 @@ ground truth; it writes only under `<run>/report/`:
 - `thumbs/*.png` + three galleries that help judge the labels: the borderline pairs around the
   clean/noisy cut, the pairs called clean with the lowest cosine, and those called noisy with
   the highest cosine; each with thumbnail (read from the source tar named in the table
-  metadata), caption, label, subset, true kind (with ground truth) and the nearest anchor pair;
+  metadata), caption, label, subset, true kind (with ground truth) and the method's own
+  evidence (`LabelMethod.evidence`: BiCro's anchors, SPS's reliable pairs, assign's best
+  competitors; no column for a method that records none);
 - `index.html` tying them together under a short summary and the quality table.
 """
 
@@ -29,6 +31,9 @@ import numpy as np
 __all__ = ["write_report"]
 
 GALLERY_SIZE = 12  # pairs per gallery
+# galleries.parquet also holds this many pairs drawn uniformly (seeded): a sample a person can
+# hand-label to estimate the precision of the clean subset (docs/cc3m.md §4).
+RANDOM_SAMPLE = 200
 # Figures and galleries read at most this many rows (an even sample beyond it); the counts in
 # the summary come from the label pass and stay exact.
 REPORT_MAX_ROWS = 1_000_000
@@ -49,10 +54,12 @@ def _pyplot():
 
 
 def _save(fig, fs, path: str) -> None:
+    """Write `fig` as a PNG at `path`, then close it (pyplot keeps every open figure)."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
     with fs.open(path, "wb") as handle:
         handle.write(buffer.getvalue())
+    _pyplot().close(fig)
 
 
 def _threshold_x(fit, threshold: float) -> float | None:
@@ -261,26 +268,52 @@ def _anchor_info(dataset, keys: set[str]) -> dict[str, tuple[str, str]]:
     }
 
 
+def _method_evidence(method: str | None) -> str:
+    """The label method's name for what its anchor-key columns hold ("" when none)."""
+    from pipeline.core.labels import LABEL_METHODS
+
+    entry = LABEL_METHODS.get(method or "")
+    return entry.evidence if entry is not None else ""
+
+
 def _image(thumbs: dict[str, str], key: str) -> str:
     if key in thumbs:
         return f'<img src="{html.escape(thumbs[key])}" alt="{html.escape(key)}">'
     return "<em>no thumbnail</em>"
 
 
-def _galleries_html(dataset, table, galleries, soft, prob, truth_groups, fs, out) -> str:
-    """The galleries' HTML (thumbnails of the pairs and their anchors written on the way).
+def _evidence_html(thumbs, info, by_image: str | None, by_text: str | None) -> str:
+    """The evidence pairs of one row (its anchors, reliable pairs or competitors)."""
+    if by_image and by_image == by_text:
+        sides = [("", by_image)]  # one pair is the evidence of both sides
+    else:
+        sides = [(f"{side}: ", key) for side, key in (("by image", by_image), ("by text", by_text))]
+    shown = [
+        f"{side}{_image(thumbs, key)}<br>{html.escape(info.get(key, ('', ''))[1])}"
+        f"<br><code>{html.escape(key)}</code>"
+        for side, key in sides
+        if key
+    ]
+    return "<br>".join(shown) or "<em>none</em>"
 
-    `galleries`: (title, explanation, row indices); `truth_groups` may be None."""
+
+def _galleries_html(dataset, table, galleries, evidence, truth_groups, fs, out) -> str:
+    """The galleries' HTML (thumbnails of the pairs and their evidence written on the way).
+
+    `galleries`: (name, title, explanation, row indices); `evidence`: the method's name for what the
+    anchor-key columns hold ("": none, no column); `truth_groups` may be None."""
     keys = table.column("key").to_pylist()
     shards = table.column("shard").to_pylist()
-    anchors = table.column("image_anchor_key").to_pylist()
-    text_anchors = table.column("text_anchor_key").to_pylist()
+    by_image = table.column("image_anchor_key").to_pylist()
+    by_text = table.column("text_anchor_key").to_pylist()
     captions = table.column("caption").to_pylist()
     subsets = table.column("subset").to_pylist()
+    soft = table.column("soft_label").to_numpy()
+    prob = table.column("clean_prob").to_numpy()
     cosine = table.column("cosine").to_numpy()
-    shown = [int(row) for _, _, rows in galleries for row in rows]
-    anchor_of = {row: anchors[row] or text_anchors[row] for row in shown}
-    info = _anchor_info(dataset, {a for a in anchor_of.values() if a})
+    shown = [int(row) for *_, rows in galleries for row in rows]
+    cited = {k for row in shown for k in (by_image[row], by_text[row]) if k} if evidence else set()
+    info = _anchor_info(dataset, cited)
     wanted: dict[str, list[str]] = {}
     for row in shown:
         wanted.setdefault(shards[row], []).append(keys[row])
@@ -289,43 +322,42 @@ def _galleries_html(dataset, table, galleries, soft, prob, truth_groups, fs, out
     thumbs = _thumbnails(wanted, _shard_paths(dataset), fs, out)
 
     sections = []
-    for title, explanation, rows in galleries:
+    heading = f"<th>{html.escape(evidence)}</th>" if evidence else ""
+    for _, title, explanation, rows in galleries:
         cells = []
         for row in rows:
             row = int(row)
-            key, anchor = keys[row], anchor_of[row]
+            key = keys[row]
             truth = (
                 f"<br>true kind: <b>{html.escape(str(truth_groups[row]))}</b>"
                 if truth_groups is not None
                 else ""
             )
-            if anchor:
-                anchor_html = (
-                    f"{_image(thumbs, anchor)}<br>{html.escape(info.get(anchor, ('', ''))[1])}"
-                    f"<br><code>{html.escape(anchor)}</code>"
-                )
-            else:
-                anchor_html = "<em>none</em>"
+            cited_html = (
+                f"<td>{_evidence_html(thumbs, info, by_image[row], by_text[row])}</td>"
+                if evidence
+                else ""
+            )
             cells.append(
                 "<tr>"
                 f"<td>{_image(thumbs, key)}</td>"
                 f"<td>{html.escape(captions[row] or '')}<br><code>{html.escape(key)}</code></td>"
                 f"<td>label <b>{soft[row]:.3f}</b><br>p(clean) {prob[row]:.3f}<br>"
                 f"cosine {cosine[row]:.3f}<br>subset <b>{html.escape(subsets[row])}</b>{truth}</td>"
-                f"<td>{anchor_html}</td>"
-                "</tr>"
+                f"{cited_html}</tr>"
             )
-        body = "".join(cells) or "<tr><td colspan=4><em>no such pair</em></td></tr>"
+        width = 4 if evidence else 3
+        body = "".join(cells) or f"<tr><td colspan={width}><em>no such pair</em></td></tr>"
         sections.append(
             f"<h3>{html.escape(title)} ({len(rows)})</h3><p>{html.escape(explanation)}</p>"
             "<table class=g><tr><th>image</th><th>caption</th><th>label</th>"
-            f"<th>nearest anchor pair</th></tr>{body}</table>"
+            f"{heading}</tr>{body}</table>"
         )
     return "".join(sections)
 
 
 def _gallery_rows(table, soft, prob, threshold: float, size: int) -> list:
-    """(title, explanation, rows) of the three galleries; ties broken by key."""
+    """(name, title, explanation, rows) of the three galleries; ties broken by key."""
     keys = np.array(table.column("key").to_pylist(), dtype=object).astype(str)
     subsets = np.array(table.column("subset").to_pylist(), dtype=object)
     cosine = table.column("cosine").to_numpy().astype(np.float64)
@@ -337,24 +369,75 @@ def _gallery_rows(table, soft, prob, threshold: float, size: int) -> list:
     noisy_high = noisy[np.lexsort((keys[noisy], -cosine[noisy]))][:size]
     return [
         (
+            "borderline",
             "Borderline pairs",
             f"The pairs whose clean probability is closest to the cut ({threshold:g}): where "
             "the mixture is least sure.",
             border,
         ),
         (
+            "clean_lowest_cosine",
             "Called clean, lowest cosine",
             "Pairs in the clean subset whose image and caption embeddings agree least: the "
             "likeliest mismatches the labels let through.",
             clean_low,
         ),
         (
+            "noisy_highest_cosine",
             "Called noisy, highest cosine",
             "Pairs in the noisy subset whose embeddings agree most: the likeliest good pairs "
             "the labels hold back.",
             noisy_high,
         ),
     ]
+
+
+def _random_rows(n: int, size: int) -> np.ndarray:
+    """`size` of `n` rows drawn uniformly without replacement (seeded: the same run, the same
+    sample), in row order."""
+    return np.sort(np.random.default_rng(0).choice(n, size=min(size, n), replace=False))
+
+
+def gallery_schema():
+    """The explicit schema of `report/galleries.parquet`: one row per pair shown."""
+    import pyarrow as pa
+
+    from pipeline.core.labels import SCORE_COLUMNS
+
+    strings = ("gallery", "key", "shard", "caption")
+    floats = ("soft_label", "clean_prob", "cosine", *SCORE_COLUMNS)
+    return pa.schema(
+        [
+            *(pa.field(name, pa.string(), nullable=name == "caption") for name in strings),
+            pa.field("rank", pa.int32(), nullable=False),  # position in its gallery
+            pa.field("subset", pa.string(), nullable=False),
+            *(pa.field(name, pa.float32()) for name in floats),
+            pa.field("image_anchor_key", pa.string()),
+            pa.field("text_anchor_key", pa.string()),
+            pa.field("true_kind", pa.string()),  # with ground truth only
+        ]
+    )
+
+
+def _write_galleries(table, galleries, truth_groups, path: str) -> None:
+    """The galleries' pairs (and a uniform sample, gallery `random`) as a Parquet table."""
+    import pyarrow as pa
+
+    from pipeline.io.tables import write_table_atomic
+
+    schema = gallery_schema()
+    names = [name for name, *_, rows in galleries for _ in rows]
+    rows = np.array([int(row) for *_, rows in galleries for row in rows], dtype=np.int64)
+    ranks = [rank for *_, rows in galleries for rank in range(len(rows))]
+    picked = table.take(pa.array(rows, pa.int64()))
+    columns = {"gallery": names, "rank": ranks}
+    for name in schema.names:
+        if name in picked.column_names:
+            columns[name] = picked.column(name).cast(schema.field(name).type)
+    kinds = [str(truth_groups[r]) for r in rows] if truth_groups is not None else None
+    columns["true_kind"] = pa.array(kinds if kinds is not None else [None] * len(rows), pa.string())
+    out = pa.table({name: columns[name] for name in schema.names})
+    write_table_atomic(out, path, schema)
 
 
 def _quality_html(summary: dict | None) -> str:
@@ -423,6 +506,7 @@ def write_report(
     import fsspec
 
     from pipeline.clients.read import labels_folder_url, read_labels
+    from pipeline.core.labels import SCORE_COLUMNS
     from pipeline.io.tables import read_json, sample_rows
     from pipeline.reporting.inspect import _run_dir_of, label_table_metadata
     from pipeline.reporting.story import rounds_figure, story_html, summary_html
@@ -437,7 +521,7 @@ def write_report(
     meta = label_table_metadata(dataset)
     summary = read_json(f"{folder}/_label_pass.json")
     columns = ["key", "shard", "caption", "soft_label", "clean_prob", "subset", "loss", "cosine"]
-    columns += ["image_anchor_key", "text_anchor_key"]
+    columns += ["image_anchor_key", "text_anchor_key", *SCORE_COLUMNS]
     table, stride = sample_rows(dataset, columns, max_rows)
     soft = table.column("soft_label").to_numpy()
     prob = table.column("clean_prob").to_numpy()
@@ -446,22 +530,21 @@ def write_report(
     loss, mixture = _losses_and_mixture(table, meta, max_rows)
     fig = _loss_figure(plt, loss, mixture)
     _save(fig, fs, f"{out}/loss_mixture.png")
-    plt.close(fig)
 
     truth_path = _ground_truth_path(ground_truth, summary, root)
     groups, colours, title = _groups(table, keys, truth_path)
     fig = _label_figure(plt, soft, prob, groups, colours, title)
     _save(fig, fs, f"{out}/soft_labels.png")
-    plt.close(fig)
 
     metrics = read_json(f"{root}/metrics.json")
     fig = rounds_figure(plt, metrics)
     if fig is not None:
         _save(fig, fs, f"{out}/rounds.png")
-        plt.close(fig)
     truth_groups = groups if truth_path else None
-    threshold = float(mixture.get("threshold", 0.5))
-    galleries = _gallery_rows(table, soft, prob, threshold, gallery_size)
+    galleries = _gallery_rows(table, soft, prob, float(mixture.get("threshold", 0.5)), gallery_size)
+    sampled = [*galleries, ("random", "", "", _random_rows(table.num_rows, RANDOM_SAMPLE))]
+    _write_galleries(table, sampled, truth_groups, f"{out}/galleries.parquet")
+    evidence = _method_evidence(meta.get("ncl.method"))
     parts = {
         "summary": summary_html(metrics, meta, read_json(f"{root}/manifest.json"))
         + (
@@ -471,7 +554,7 @@ def write_report(
         ),
         "story": story_html(metrics),
         "quality": _quality_html(summary),
-        "galleries": _galleries_html(dataset, table, galleries, soft, prob, truth_groups, fs, out),
+        "galleries": _galleries_html(dataset, table, galleries, evidence, truth_groups, fs, out),
     }
     index = f"{out}/index.html"
     with fs.open(index, "w") as handle:

@@ -252,7 +252,13 @@ def run_job(job: JobConfig) -> dict:
         check_weights_available(spec)
         fetch_weights(spec)  # once, here: the workers then find the weights cached
     embeddings_source(job)  # a folder that cannot be ingested fails here, before Ray
-    with catch_interrupts() as interrupts, acquire_lease(layout, job.name):
+    from pipeline.runtime.tracking import job_tracking
+
+    with (
+        catch_interrupts() as interrupts,
+        acquire_lease(layout, job.name),
+        job_tracking(job, layout.output),  # a missing tracker package fails here, before Ray
+    ):
         manifest = _check_resume(job, layout)
         return _run_held(job, layout, shard_paths, views, manifest, interrupts)
 
@@ -498,6 +504,7 @@ def _remove(*paths: str) -> None:
 
 def _publish(job, layout, shard_paths, run: _RunRecord, last: int) -> None:
     """The final labels/: the last round's two views combined (mean)."""
+    from pipeline.runtime.tracking import track_coteaching
     from pipeline.stages.publish import publish_labels
 
     embedded = shard_sizes(layout, last, shard_paths)
@@ -521,6 +528,7 @@ def _publish(job, layout, shard_paths, run: _RunRecord, last: int) -> None:
     run.metrics["coteaching"] = coteaching_table(job, run.rounds, published)
     run.write_metrics()
     log_coteaching(run.metrics["coteaching"], job)
+    track_coteaching(run.metrics["coteaching"])
     logger.info(f"labels: {layout.labels_dir}/ (read with pipeline.read_labels('{layout.output}'))")
 
 

@@ -104,6 +104,7 @@ DEPENDS_ON: dict[str, tuple[str, ...]] = {
 # Inside the sections above, these change how fast a stage runs, not what it produces.
 NOT_RESULTS = (
     "train.torch_threads",
+    "train.report_to",
     "train.checkpoint_every_steps",
     "train.checkpoint_every_s",
     "model.cache_dir",

@@ -64,8 +64,9 @@ def log_warmup(summary: dict) -> None:
         last = info["history"][-1] if info["history"] else {}
         reason = (info.get("warmup") or {}).get("reason", "")
         lines.append(
-            f"  model {view}: {info['epochs']} epochs, {info['steps']} steps, last loss "
-            f"{last.get('loss', float('nan')):.3f}; kept epoch {info['kept_epoch']} ({reason})"
+            f"  model {view}: {info['epochs']} epochs, {info['steps']} steps, last epoch's mean "
+            f"InfoNCE {last.get('loss', float('nan')):.3f}; kept epoch {info['kept_epoch']} "
+            f"({reason})"
         )
     retrieval = summary.get("retrieval")
     if retrieval:

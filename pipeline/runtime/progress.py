@@ -171,23 +171,24 @@ def as_completed(refs: Iterable[Any], *, poll_seconds: float = 1.0) -> Iterator[
 
 class ProgressBoard:
     """A Ray actor (created with `ProgressBoard.start()`) where workers leave their counts
-    and their finished-epoch lines; the driver reads them with `follow_board`.
+    and their finished epochs; the driver reads them with `follow_board`.
 
     Workers call `board.report.remote(name, done, total, note)` and
-    `board.message.remote(text)` without waiting for an answer.
+    `board.message.remote(message)` (any picklable value, e.g. an epoch's numbers) without
+    waiting for an answer.
     """
 
     def __init__(self) -> None:
         self.counts: dict[str, tuple[float, float | None, str]] = {}
-        self.messages: list[str] = []
+        self.messages: list[Any] = []
 
     def report(self, name: str, done: float, total: float | None, note: str = "") -> None:
         self.counts[name] = (done, total, note)
 
-    def message(self, text: str) -> None:
-        self.messages.append(text)
+    def message(self, message: Any) -> None:
+        self.messages.append(message)
 
-    def drain(self) -> tuple[dict[str, tuple[float, float | None, str]], list[str]]:
+    def drain(self) -> tuple[dict[str, tuple[float, float | None, str]], list[Any]]:
         messages, self.messages = self.messages, []
         return dict(self.counts), messages
 
@@ -212,8 +213,8 @@ class _Follower:
         import ray
 
         counts, messages = ray.get(self.board.drain.remote(), timeout=30)
-        for text in messages:
-            self.on_message(text)
+        for message in messages:
+            self.on_message(message)
         self.on_counts(counts)
 
     def _run(self) -> None:
@@ -239,7 +240,7 @@ class _Follower:
 def follow_board(
     board,
     on_counts: Callable[[dict[str, tuple[float, float | None, str]]], None],
-    on_message: Callable[[str], None],
+    on_message: Callable[[Any], None],
     interval: float = 1.0,
 ) -> _Follower:
     """Context manager: poll `board` on a driver thread while the body (e.g. `trainer.fit()`)

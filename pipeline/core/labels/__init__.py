@@ -45,6 +45,7 @@ LABEL_METHODS: dict[str, LabelMethod] = {
         training_target="bicro",
         quality_scores=bicro.quality_scores,
         weight_cut=bicro.weight_cut,
+        evidence="nearest clean anchor (by image; by text)",
     ),
     "rcr": LabelMethod(
         name="rcr",
@@ -68,6 +69,7 @@ LABEL_METHODS: dict[str, LabelMethod] = {
         uses_trainee_view=True,
         proxy_table=True,
         mixture="gmm",  # the SPS paper and code partition with a GMM (docs/methods.md §7.1)
+        evidence="nearest reliable pair (by image; by text)",
     ),
     "cosine": LabelMethod(
         name="cosine",
@@ -90,6 +92,8 @@ LABEL_METHODS: dict[str, LabelMethod] = {
         # Pairs weigh their label; the rematches train as added rows (docs/methods.md §10.3).
         training_target="rematch",
         proxy_table=True,  # the rematch targets, in the SPS proxies-table layout
+        evidence="best competitors of a noisy pair (the pair its image's mass goes to; the "
+        "pair whose image sends its caption the most)",
     ),
 }
 

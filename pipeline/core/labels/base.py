@@ -105,6 +105,9 @@ class LabelMethod:
     weight_cut: Callable[[Any], float] = lambda params: 0.0
     # One line per score column: its description in the label-table schema (schemas/*.json).
     score_descriptions: tuple[str, ...] = ()
+    # What the image/text anchor-key columns name for this method: the heading of the report's
+    # evidence column; "" when the method leaves them empty (the report drops the column).
+    evidence: str = ""
 
     def __post_init__(self) -> None:
         if len(self.score_descriptions) != len(self.score_columns):

@@ -21,7 +21,7 @@ import threading
 from pipeline.io.layout import RunLayout
 from pipeline.io.tables import read_json, remove_path
 from pipeline.stages.train.data import steps_per_epoch
-from pipeline.stages.train.loop import NOT_RETRIED, train_loop
+from pipeline.stages.train.loop import NOT_RETRIED, epoch_line, train_loop
 from pipeline.stages.train.spec import TrainSpec
 
 __all__ = ["run_training", "train_loop_config"]
@@ -53,7 +53,8 @@ def _train_storage(path: str):
 
 class _EpochBars:
     """The driver's progress bar of the epoch the workers are in (pipeline.runtime.progress), from
-    the counts rank 0 leaves on the progress board; the workers' epoch lines are logged here."""
+    the counts rank 0 leaves on the progress board; the workers' finished epochs are logged
+    (and tracked) here."""
 
     def __init__(self) -> None:
         self.current = None
@@ -72,9 +73,13 @@ class _EpochBars:
                 )
             self.current.update(done, total, note)
 
-    def message(self, text: str) -> None:
+    def message(self, message: dict) -> None:
+        """A view's finished epoch: its console line, and the same numbers to the tracker."""
+        from pipeline.runtime.tracking import track_epoch
+
         self.close()  # a view's epoch line comes after its last step
-        logger.info(text)
+        logger.info(epoch_line(message))
+        track_epoch(message)
 
     def close(self) -> None:
         if self.current is not None:

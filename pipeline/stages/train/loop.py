@@ -21,6 +21,7 @@ from pipeline.core.losses.training import (
     sps_consistency_losses,
     weighted_infonce,
 )
+from pipeline.core.metrics import histogram_quantiles
 from pipeline.core.schedule import WarmupState, cosine_lr, update_warmup
 from pipeline.errors import root_cause
 from pipeline.io.admitted import ShardChangedError
@@ -37,7 +38,7 @@ from pipeline.stages.train.data import (
 from pipeline.stages.train.spec import TrainSpec, ViewSpec
 from pipeline.stages.train.sync import all_have, from_rank0, is_distributed, sum_across
 
-__all__ = ["NOT_RETRIED", "checkpoint_due", "train_loop"]
+__all__ = ["NOT_RETRIED", "checkpoint_due", "epoch_line", "objective_name", "train_loop"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,10 @@ logger = logging.getLogger(__name__)
 NOT_RETRIED = (ShardChangedError, GpuUnusableError)
 
 PROGRESS_REPORTS = 50  # counts sent to the driver's progress board per epoch
+# Per-epoch sums pooled over the ranks: the targets' and the objective's (mean = sum / batches).
+EPOCH_SUMS = (*TARGET_STATS, "objective")
+WEIGHT_BINS = 100  # the epoch's pair-weight histogram over [0, 1]: quantiles to 0.01
+WEIGHT_QUANTILES = (0.1, 0.5, 0.9)
 
 # ------------------------------------------------------------------------------------------
 # The loop that runs on each training worker
@@ -82,6 +87,19 @@ def _label_loss(
         l_cro, l_met = sps_consistency_losses(image_emb[rows], text_emb[rows])
         loss = loss + spec.train.sps.lambda_cro * l_cro + spec.train.sps.lambda_met * l_met
     return loss
+
+
+def objective_name(spec: TrainSpec, selecting: bool) -> str:
+    """What the optimiser minimises in a step of `spec` (the console and tracker name it)."""
+    if spec.mode == "labels":
+        name = {"weighted_infonce": "weighted InfoNCE"}.get(
+            spec.train.label_loss, "soft-margin triplet"
+        )
+        if spec.train.sps.lambda_cro > 0 or spec.train.sps.lambda_met > 0:
+            name += " + SPS consistency"
+        return name
+    name = "InfoNCE" if spec.train.warmup.loss == "infonce" else "triplet"
+    return f"{name} of the small-loss selection" if selecting else name
 
 
 def _step_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, batch, selecting: bool):
@@ -150,13 +168,18 @@ class _ViewTrainer:
         self.step, self.epoch, self.step_in_epoch = 0, 0, 0
         self.warmup = WarmupState()
         self.history: list[dict] = []
-        self.epoch_loss_sum, self.epoch_batches = 0.0, 0
-        self.epoch_targets = dict.fromkeys(TARGET_STATS, 0.0)
+        self.new_epoch()
         self.stopped = False
         self.scaler = torch.amp.GradScaler(
             enabled=spec.precision == "fp16" and device.type == "cuda"
         )
         self.resume()
+
+    def new_epoch(self) -> None:
+        self.epoch_loss_sum, self.epoch_batches = 0.0, 0
+        self.epoch_targets = dict.fromkeys(EPOCH_SUMS, 0.0)
+        self.weight_hist = [0.0] * WEIGHT_BINS
+        self.objective = objective_name(self.spec, False)
 
     # -- checkpoints
     def state(self) -> dict:
@@ -169,6 +192,7 @@ class _ViewTrainer:
             "epoch_loss_sum": self.epoch_loss_sum,
             "epoch_batches": self.epoch_batches,
             "epoch_targets": json.dumps(self.epoch_targets),
+            "weight_hist": json.dumps(self.weight_hist),
             "rng": torch.get_rng_state(),
             "warmup": json.dumps(self.warmup.to_dict()),
             "history": json.dumps(self.history),
@@ -190,7 +214,8 @@ class _ViewTrainer:
         self.step_in_epoch = int(state["step_in_epoch"])
         self.epoch_loss_sum = float(state["epoch_loss_sum"])
         self.epoch_batches = int(state["epoch_batches"])
-        self.epoch_targets = json.loads(state.get("epoch_targets", "{}")) or self.epoch_targets
+        self.epoch_targets.update(json.loads(state.get("epoch_targets", "{}")))
+        self.weight_hist = json.loads(state.get("weight_hist", "null")) or self.weight_hist
         torch.set_rng_state(state["rng"])
         self.warmup = WarmupState(**json.loads(state["warmup"]))
         self.history = json.loads(state["history"])
@@ -248,10 +273,14 @@ class _ViewTrainer:
         self.step_in_epoch += 1
         self.epoch_loss_sum += float(plain.detach())
         self.epoch_batches += 1
+        self.epoch_targets["objective"] += float(loss.detach())
+        self.objective = objective_name(spec, selecting)
         # What the labels made of the epoch's pairs (weights, SPS reliable rows, proxy pairs).
         for name in ("weight", "reliable", "proxy"):
             self.epoch_targets[name] += float(batch[name].sum())
         self.epoch_targets["pairs"] += float(batch["weight"].numel())
+        counts = torch.histc(batch["weight"].float().cpu(), bins=WEIGHT_BINS, min=0.0, max=1.0)
+        self.weight_hist = [a + float(b) for a, b in zip(self.weight_hist, counts, strict=True)]
         return float(loss.detach())
 
 
@@ -359,12 +388,12 @@ def _train(spec: TrainSpec, board, ray_train: bool) -> None:
 
 def _pool_epoch(t: _ViewTrainer, device: torch.device) -> None:
     """The view's epoch sums over every rank, so each rank judges the same mean loss."""
-    names = list(TARGET_STATS)
-    pooled = sum_across(
-        [t.epoch_loss_sum, float(t.epoch_batches)] + [t.epoch_targets[n] for n in names], device
-    )
+    names = list(EPOCH_SUMS)
+    sums = [t.epoch_targets[n] for n in names]
+    pooled = sum_across([t.epoch_loss_sum, float(t.epoch_batches), *sums, *t.weight_hist], device)
     t.epoch_loss_sum, t.epoch_batches = pooled[0], int(pooled[1])
-    t.epoch_targets = dict(zip(names, pooled[2:], strict=True))
+    t.epoch_targets = dict(zip(names, pooled[2 : 2 + len(names)], strict=True))
+    t.weight_hist = pooled[2 + len(names) :]
 
 
 def _agree_on_stops(active: list[_ViewTrainer], device: torch.device) -> None:
@@ -387,12 +416,12 @@ def _report(board, name: str, done: int, total: int, note: str) -> None:
         board.report.remote(name, done, total, note)
 
 
-def _say(board, text: str) -> None:
-    """A line for the driver to log (workers do not print)."""
+def _say(board, message: dict) -> None:
+    """An epoch's numbers for the driver to log and track (workers do not print)."""
     if board is not None:
-        board.message.remote(text)
+        board.message.remote(message)
     else:
-        logger.debug(text)
+        logger.debug(epoch_line(message))
 
 
 def checkpoint_due(train, steps_done: int, since_save_s: float) -> bool:
@@ -430,14 +459,17 @@ def _run_epoch(
         stepping = [(t, b) for t, b, d in zip(active, batches, done, strict=True) if index >= d]
         if not stepping:
             continue
-        losses = [t.train_step(b, device) for t, b in stepping]
+        for t, b in stepping:
+            t.train_step(b, device)
         seen += spec.train.batch_size * world
         injected[0] += 1
         if rank == 0 and ((index + 1) % report_every == 0 or index + 1 == steps):
+            # The same quantity as the epoch line's, on this rank's batches so far.
             names = " ".join(
-                f"{t.view.name}={x:.3f}" for (t, _), x in zip(stepping, losses, strict=True)
+                f"{t.view.name}={t.epoch_loss_sum / max(t.epoch_batches, 1):.3f}" for t in active
             )
-            _report(board, _epoch_name(spec, epoch), index + 1, steps, f"loss {names}")
+            note = f"mean InfoNCE so far {names}"
+            _report(board, _epoch_name(spec, epoch), index + 1, steps, note)
         if rank == 0 and checkpoint_due(spec.train, index + 1, time.perf_counter() - saved):
             for t, _ in stepping:
                 t.save()
@@ -447,26 +479,54 @@ def _run_epoch(
     return seen, time.perf_counter() - started
 
 
-def _end_epoch(spec, t: _ViewTrainer, epoch: int, rsum, seen, seconds, rank, board=None):
-    """Record a view's epoch, advance its warm-up state (validation rSum), checkpoint, log."""
-    epoch_loss = t.epoch_loss_sum / max(t.epoch_batches, 1)
-    record = {
+def _epoch_record(t: _ViewTrainer, epoch: int, rsum, seen: int, seconds: float) -> dict:
+    """A view's finished epoch as its history keeps it (epoch counted from 0; sums pooled)."""
+    batches, pairs = max(t.epoch_batches, 1), max(t.epoch_targets["pairs"], 1.0)
+    values = histogram_quantiles(t.weight_hist, WEIGHT_QUANTILES)
+    quantiles = zip(WEIGHT_QUANTILES, values, strict=True)
+    return {
         "epoch": epoch,
-        "loss": epoch_loss,
+        "loss": t.epoch_loss_sum / batches,  # mean plain InfoNCE: all pairs, unweighted
+        "objective": t.epoch_targets["objective"] / batches,  # mean of what was minimised
+        "objective_name": t.objective,
         "val_rsum": rsum,
         "seconds": seconds,
         "samples_per_s": seen / max(seconds, 1e-9),
         "pairs": int(t.epoch_targets["pairs"]),
-        "mean_weight": t.epoch_targets["weight"] / max(t.epoch_targets["pairs"], 1.0),
+        "mean_weight": t.epoch_targets["weight"] / pairs,
+        "weight_quantiles": {f"p{round(100 * q)}": v for q, v in quantiles},
         "reliable_pairs": int(t.epoch_targets["reliable"]),
         "proxy_pairs": int(t.epoch_targets["proxy"]),
     }
+
+
+def epoch_line(message: dict) -> str:
+    """The console line of a finished epoch (a message `_end_epoch` leaves for the driver);
+    epochs counted from 1, each loss named."""
+    line = (
+        f"  round {message['round']} {message['view']} epoch {message['epoch'] + 1}/"
+        f"{message['max_epochs']}: mean InfoNCE {message['loss']:.3f} (all pairs, unweighted)"
+    )
+    if message["objective_name"] != "InfoNCE":
+        line += f", objective {message['objective_name']} {message['objective']:.3f}"
+    if message["mode"] == "labels":
+        line += f", mean pair weight {message['mean_weight']:.2f}"
+    if message["val_rsum"] is not None:
+        line += f", validation rSum {message['val_rsum']:.1f}"
+    line += f", {message['samples_per_s']:.0f} samples/s"
+    return line + (f"; stop: {message['stop']}" if message["stop"] else "")
+
+
+def _end_epoch(spec, t: _ViewTrainer, epoch: int, rsum, seen, seconds, rank, board=None):
+    """Record a view's epoch, advance its warm-up state (validation rSum), checkpoint, and
+    leave the epoch's numbers for the driver (its console line and tracker)."""
+    record = _epoch_record(t, epoch, rsum, seen, seconds)
     t.history.append(record)
     if spec.mode == "warmup":
         warm = spec.train.warmup
         t.warmup = update_warmup(
             t.warmup,
-            epoch_loss=epoch_loss,
+            epoch_loss=record["loss"],
             batch_size=spec.train.batch_size,
             rsum=rsum,
             max_epochs=spec.max_epochs,
@@ -480,16 +540,20 @@ def _end_epoch(spec, t: _ViewTrainer, epoch: int, rsum, seen, seconds, rank, boa
     else:
         t.stopped = epoch + 1 >= spec.max_epochs
     t.epoch, t.step_in_epoch = epoch + 1, 0
-    t.epoch_loss_sum, t.epoch_batches = 0.0, 0
-    t.epoch_targets = dict.fromkeys(TARGET_STATS, 0.0)
+    t.new_epoch()
     if rank == 0:
         t.save()
-        shown = f", validation rSum {rsum:.1f}" if rsum is not None else ""
-        stop = f"; stop: {t.warmup.reason}" if t.stopped and spec.mode == "warmup" else ""
+        stop = t.warmup.reason if t.stopped and spec.mode == "warmup" else ""
         _say(
             board,
-            f"  round {spec.round_index} {t.view.name} epoch {epoch}: loss "
-            f"{epoch_loss:.3f}{shown}, {record['samples_per_s']:.0f} samples/s{stop}",
+            {
+                **record,
+                "round": spec.round_index,
+                "mode": spec.mode,
+                "view": t.view.name,
+                "max_epochs": spec.max_epochs,
+                "stop": stop,
+            },
         )
 
 
