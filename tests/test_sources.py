@@ -12,6 +12,7 @@ holds exactly the kept pairs, each with its own source's bytes.
 
 from __future__ import annotations
 
+import json
 import tarfile
 from pathlib import Path
 
@@ -228,3 +229,4 @@ def test_two_colliding_downloads_run_through_labels_and_export(local_ray, tmp_pa
         source, raw = key.split("/")
         original = originals[source, want[key]][raw]
         assert members["jpg"] == original["jpg"] and members["txt"] == original["txt"]
+        assert json.loads(members["json"])["key"] == key  # img2dataset's own key was `raw`

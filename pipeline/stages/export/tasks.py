@@ -8,7 +8,8 @@ Contract:
   every kept sample's members to `<out>/_parts/<shard>.tarpart` as raw tar blocks (512-byte
   headers + data + padding, no end-of-archive marker), so parts concatenate byte for byte.
   Image and text members are copied unchanged; `{key}.json` is the input json extended with
-  `ncl_soft_label`, `ncl_subset`, `ncl_round` and, when it has none, `uid`. Samples stay in
+  `ncl_soft_label`, `ncl_subset`, `ncl_round` and, when it has none, `uid` (under
+  `input.sources` its `key` is the member's, `<source>/<key>`, as in the tables). Samples stay in
   tar order. `<out>/_parts/<shard>.json` (written last, atomically) is the part's completion
   marker: kept count, per-subset counts and the byte offset of every sample in the part.
   A kept key missing from the tar is an error (the tar changed since the labels were made).
@@ -31,7 +32,7 @@ import pyarrow as pa
 
 from pipeline.errors import RunFailedError
 from pipeline.io.labels import SUBSET_VALUES, uid_of
-from pipeline.io.shards import RawRecord, iter_shard_records
+from pipeline.io.shards import RawRecord, iter_shard_records, split_source
 from pipeline.io.tables import file_exists, open_atomic, read_json, write_json_atomic
 
 __all__ = [
@@ -83,8 +84,9 @@ def member_bytes(name: str, data: bytes) -> bytes:
     return header + data + b"\0" * padding
 
 
-def _extended_json(record: RawRecord, label: dict[str, Any]) -> bytes:
-    """The sample's json with the ncl_* fields (and a uid when it has none), as UTF-8."""
+def _extended_json(record: RawRecord, label: dict[str, Any], qualified: bool) -> bytes:
+    """The sample's json with the ncl_* fields (and a uid when it has none), as UTF-8;
+    `qualified`: the tar is a source's (`input.sources`), whose keys are `<source>/<key>`."""
     meta: dict[str, Any] = {}
     if "json" in record.members:
         try:
@@ -93,7 +95,8 @@ def _extended_json(record: RawRecord, label: dict[str, Any]) -> bytes:
             parsed = None
         # A json the embed pass could not parse would have quarantined the sample; guard anyway.
         meta = parsed if isinstance(parsed, dict) else {}
-    meta.setdefault("key", record.key)
+    if qualified or "key" not in meta:
+        meta["key"] = record.key  # img2dataset's own key would name another source's pair
     meta.setdefault("uid", label["uid"])
     meta["ncl_soft_label"] = label["soft_label"]
     meta["ncl_subset"] = label["subset"]
@@ -154,6 +157,7 @@ def write_shard_part(
     offsets = [0]
     counts = dict.fromkeys(SUBSET_VALUES, 0)
     written: set[str] = set()
+    qualified = split_source(tar_path)[0] is not None
     with open_atomic(f"{out}/_parts/{shard}.tarpart") as handle:
         for item in iter_shard_records(tar_path):
             if not isinstance(item, RawRecord) or item.key not in kept:
@@ -163,12 +167,12 @@ def write_shard_part(
             has_json = False
             for ext, data in item.members.items():
                 if ext == "json":
-                    data, has_json = _extended_json(item, label), True
+                    data, has_json = _extended_json(item, label, qualified), True
                 block = member_bytes(f"{item.key}.{ext}", data)
                 handle.write(block)
                 size += len(block)
             if not has_json:
-                block = member_bytes(f"{item.key}.json", _extended_json(item, label))
+                block = member_bytes(f"{item.key}.json", _extended_json(item, label, qualified))
                 handle.write(block)
                 size += len(block)
             offsets.append(offsets[-1] + size)
