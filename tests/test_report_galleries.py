@@ -4,11 +4,15 @@ precision recipe of docs/cc3m.md §4 on it, and the evidence column each label m
 
 from __future__ import annotations
 
+import shutil
+
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from export_fixtures import truth_labelled_corpus
+from test_report_evidence import write_embeddings
 
 from pipeline.reporting.report import RANDOM_SAMPLE, gallery_schema, write_report
 
@@ -31,7 +35,7 @@ def _with_method(run, method: str | None, anchor_of=None) -> None:
         meta = dict(table.schema.metadata)
         meta.pop(b"ncl.method", None)
         if method is not None:
-            meta[b"ncl.method"] = method.encode()
+            meta[b"ncl.method"], meta[b"ncl.round"], meta[b"ncl.view"] = method.encode(), b"1", b"a"
         if anchor_of is not None:
             anchors = pa.array(anchor_of(table.column("key").to_pylist()), pa.string())
             for name in ("image_anchor_key", "text_anchor_key"):
@@ -76,9 +80,21 @@ def test_galleries_parquet_holds_the_shown_pairs_and_a_uniform_sample(labelled):
 def test_the_evidence_column_is_the_methods_own_or_absent(labelled):
     run = labelled["run"]
     try:
-        _with_method(run, "rcr")  # records no evidence pairs: no column
+        _with_method(run, "cosine")  # no evidence pairs: no column
         page = _page(run, gallery_size=3)
         assert "anchor" not in page and "<th>label</th></tr>" in page
+        # RCR: the captions the pair's image retrieves, searched in round 1's embeddings of view
+        # a; here every caption's embedding is its image's, so each pair retrieves its own first.
+        _with_method(run, "rcr")
+        assert "<em>none</em>" in _page(run, gallery_size=3)  # no embeddings: nothing to show
+        keys = labelled["labels"].column("key").to_pylist()
+        vectors = np.random.default_rng(0).normal(size=(len(keys), 8))
+        vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+        write_embeddings(run, 1, [(keys, vectors, vectors)])
+        page = _page(run, gallery_size=3)
+        assert "<th>captions its image retrieves (nearest 3 by cosine)</th>" in page
+        assert page.count("1. <b>its own caption</b>") == 9 and "<em>none</em>" not in page
+        shutil.rmtree(run / "rounds")
         # BiCro names each pair's nearest clean anchor: the column says so and shows them.
         first = labelled["labels"].column("key")[0].as_py()
         _with_method(run, "bicro", lambda keys: [first] * len(keys))

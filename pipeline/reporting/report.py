@@ -14,7 +14,8 @@ ground truth; it writes only under `<run>/report/`:
   the highest cosine; each with thumbnail (read from the source tar named in the table
   metadata), caption, label, subset, true kind (with ground truth) and the method's own
   evidence (`LabelMethod.evidence`: BiCro's anchors, SPS's reliable pairs, assign's best
-  competitors; no column for a method that records none);
+  competitors, RCR's retrieved captions (`pipeline.reporting.evidence`); no column for cosine);
+- `galleries.parquet`: the galleries' pairs and a seeded uniform sample (`gallery_schema`);
 - `index.html` tying them together under a short summary and the quality table.
 """
 
@@ -38,6 +39,7 @@ RANDOM_SAMPLE = 200
 # the summary come from the label pass and stay exact.
 REPORT_MAX_ROWS = 1_000_000
 THUMB_SIZE = 112
+SIDES = ("by image: ", "by text: ")  # the anchor-key columns' prefixes in the evidence column
 KIND_COLOURS = {"clean": "tab:green", "partial": "tab:orange", "mismatched": "tab:red"}
 SUBSET_COLOURS = {"clean": "tab:green", "quasi_clean": "tab:orange", "noisy": "tab:red"}
 
@@ -268,61 +270,77 @@ def _anchor_info(dataset, keys: set[str]) -> dict[str, tuple[str, str]]:
     }
 
 
-def _method_evidence(method: str | None) -> str:
-    """The label method's name for what its anchor-key columns hold ("" when none)."""
-    from pipeline.core.labels import LABEL_METHODS
-
-    entry = LABEL_METHODS.get(method or "")
-    return entry.evidence if entry is not None else ""
-
-
 def _image(thumbs: dict[str, str], key: str) -> str:
     if key in thumbs:
         return f'<img src="{html.escape(thumbs[key])}" alt="{html.escape(key)}">'
     return "<em>no thumbnail</em>"
 
 
-def _evidence_html(thumbs, info, by_image: str | None, by_text: str | None) -> str:
-    """The evidence pairs of one row (its anchors, reliable pairs or competitors)."""
-    if by_image and by_image == by_text:
-        sides = [("", by_image)]  # one pair is the evidence of both sides
-    else:
-        sides = [(f"{side}: ", key) for side, key in (("by image", by_image), ("by text", by_text))]
-    shown = [
-        f"{side}{_image(thumbs, key)}<br>{html.escape(info.get(key, ('', ''))[1])}"
-        f"<br><code>{html.escape(key)}</code>"
-        for side, key in sides
-        if key
-    ]
+def _method_evidence(table, shown: list[int], meta: dict, root: str):
+    """(heading, row -> [(prefix, key)] of its evidence pairs, whether they show images): the
+    label method's own evidence (`LabelMethod.evidence`); ("", {}, False) when it has none."""
+    from pipeline.core.labels import LABEL_METHODS
+
+    entry = LABEL_METHODS.get(meta.get("ncl.method") or "")
+    if entry is None or not entry.evidence:
+        return "", {}, False
+    keys = table.column("key").to_pylist()
+    if entry.evidence_from == "retrieval":  # searched now, in the labelled round's embeddings
+        from pipeline.reporting.evidence import retrieved_captions
+
+        view = (meta.get("ncl.view") or "a")[0]  # published labels (a+b): view a's neighbours
+        asked = [keys[row] for row in shown]
+        near = retrieved_captions(root, int(meta.get("ncl.round", 0)), view, asked, k=3)
+        cited = {r: [(f"{i}. ", k) for i, k in enumerate(near.get(keys[r], []), 1)] for r in shown}
+        return entry.evidence, cited, False
+    by_image = table.column("image_anchor_key").to_pylist()
+    by_text = table.column("text_anchor_key").to_pylist()
+    cited = {}
+    for row in shown:
+        pair = (by_image[row], by_text[row])
+        one = pair[0] and pair[0] == pair[1]  # one pair is the evidence of both sides
+        sides = [("", pair[0])] if one else list(zip(SIDES, pair, strict=True))
+        cited[row] = [(prefix, key) for prefix, key in sides if key]
+    return entry.evidence, cited, True
+
+
+def _evidence_html(thumbs, info, own: str, cited: list[tuple[str, str]], images: bool) -> str:
+    """The evidence pairs of one row (its anchors, reliable pairs, competitors, neighbours)."""
+    shown = []
+    for prefix, key in cited:
+        if key == own:
+            shown.append(f"{prefix}<b>its own caption</b>")
+            continue
+        picture = f"{_image(thumbs, key)}<br>" if images else ""
+        caption = html.escape(info.get(key, ("", ""))[1])
+        shown.append(f"{prefix}{picture}{caption}<br><code>{html.escape(key)}</code>")
     return "<br>".join(shown) or "<em>none</em>"
 
 
 def _galleries_html(dataset, table, galleries, evidence, truth_groups, fs, out) -> str:
     """The galleries' HTML (thumbnails of the pairs and their evidence written on the way).
 
-    `galleries`: (name, title, explanation, row indices); `evidence`: the method's name for what the
-    anchor-key columns hold ("": none, no column); `truth_groups` may be None."""
+    `galleries`: (name, title, explanation, row indices); `evidence`: `_method_evidence`'s
+    (heading, cited pairs per row, images); `truth_groups` may be None."""
+    heading, cited, images = evidence
     keys = table.column("key").to_pylist()
     shards = table.column("shard").to_pylist()
-    by_image = table.column("image_anchor_key").to_pylist()
-    by_text = table.column("text_anchor_key").to_pylist()
     captions = table.column("caption").to_pylist()
     subsets = table.column("subset").to_pylist()
     soft = table.column("soft_label").to_numpy()
     prob = table.column("clean_prob").to_numpy()
     cosine = table.column("cosine").to_numpy()
     shown = [int(row) for *_, rows in galleries for row in rows]
-    cited = {k for row in shown for k in (by_image[row], by_text[row]) if k} if evidence else set()
-    info = _anchor_info(dataset, cited)
+    info = _anchor_info(dataset, {key for pairs in cited.values() for _, key in pairs})
     wanted: dict[str, list[str]] = {}
     for row in shown:
         wanted.setdefault(shards[row], []).append(keys[row])
     for key, (shard, _) in info.items():
-        wanted.setdefault(shard, []).append(key)
+        if images:
+            wanted.setdefault(shard, []).append(key)
     thumbs = _thumbnails(wanted, _shard_paths(dataset), fs, out)
 
     sections = []
-    heading = f"<th>{html.escape(evidence)}</th>" if evidence else ""
     for _, title, explanation, rows in galleries:
         cells = []
         for row in rows:
@@ -334,8 +352,8 @@ def _galleries_html(dataset, table, galleries, evidence, truth_groups, fs, out) 
                 else ""
             )
             cited_html = (
-                f"<td>{_evidence_html(thumbs, info, by_image[row], by_text[row])}</td>"
-                if evidence
+                f"<td>{_evidence_html(thumbs, info, key, cited.get(row, []), images)}</td>"
+                if heading
                 else ""
             )
             cells.append(
@@ -346,12 +364,13 @@ def _galleries_html(dataset, table, galleries, evidence, truth_groups, fs, out) 
                 f"cosine {cosine[row]:.3f}<br>subset <b>{html.escape(subsets[row])}</b>{truth}</td>"
                 f"{cited_html}</tr>"
             )
-        width = 4 if evidence else 3
+        width = 4 if heading else 3
         body = "".join(cells) or f"<tr><td colspan={width}><em>no such pair</em></td></tr>"
         sections.append(
             f"<h3>{html.escape(title)} ({len(rows)})</h3><p>{html.escape(explanation)}</p>"
             "<table class=g><tr><th>image</th><th>caption</th><th>label</th>"
-            f"{heading}</tr>{body}</table>"
+            + (f"<th>{html.escape(heading)}</th>" if heading else "")
+            + f"</tr>{body}</table>"
         )
     return "".join(sections)
 
@@ -544,7 +563,8 @@ def write_report(
     galleries = _gallery_rows(table, soft, prob, float(mixture.get("threshold", 0.5)), gallery_size)
     sampled = [*galleries, ("random", "", "", _random_rows(table.num_rows, RANDOM_SAMPLE))]
     _write_galleries(table, sampled, truth_groups, f"{out}/galleries.parquet")
-    evidence = _method_evidence(meta.get("ncl.method"))
+    shown = [int(row) for *_, rows in galleries for row in rows]
+    evidence = _method_evidence(table, shown, meta, root)
     parts = {
         "summary": summary_html(metrics, meta, read_json(f"{root}/manifest.json"))
         + (

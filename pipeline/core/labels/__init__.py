@@ -57,6 +57,9 @@ LABEL_METHODS: dict[str, LabelMethod] = {
         training_target="weights",
         direction_posteriors=True,
         quality_scores=rcr.quality_scores,
+        # w compares what a pair's image retrieves with what its caption retrieves.
+        evidence="captions its image retrieves (nearest 3 by cosine)",
+        evidence_from="retrieval",
     ),
     "sps": LabelMethod(
         name="sps",

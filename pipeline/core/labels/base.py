@@ -105,9 +105,11 @@ class LabelMethod:
     weight_cut: Callable[[Any], float] = lambda params: 0.0
     # One line per score column: its description in the label-table schema (schemas/*.json).
     score_descriptions: tuple[str, ...] = ()
-    # What the image/text anchor-key columns name for this method: the heading of the report's
-    # evidence column; "" when the method leaves them empty (the report drops the column).
+    # The report's evidence column: its heading ("": no column) and where its pairs come from:
+    # "anchor_keys", the pairs the image/text anchor-key columns name; "retrieval", the captions
+    # the pair's image retrieves in the labelled round's embeddings (pipeline.reporting.evidence).
     evidence: str = ""
+    evidence_from: str = "anchor_keys"
 
     def __post_init__(self) -> None:
         if len(self.score_descriptions) != len(self.score_columns):
