@@ -65,17 +65,24 @@ class TrackingUnavailableError(UserError, ImportError):
     """`train.report_to` names a tracker whose package is not installed."""
 
 
+def _require(module: str, kind: str, package: str, install: str):
+    """`module`, imported; one sentence naming what to install when it is not there."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise TrackingUnavailableError(
+            f"train.report_to={kind} needs the {package} package, which is not installed: "
+            f"{install}, or set train.report_to=none"
+        ) from exc
+
+
 class _TensorBoard:
     def __init__(self, log_dir: str, run_name: str, config: Mapping[str, Any]) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:
-            raise TrackingUnavailableError(
-                "train.report_to=tensorboard needs the tensorboard package, which is not "
-                "installed: pip install 'ncl-pipeline[tracking]' (or tensorboard), or set "
-                "train.report_to=none"
-            ) from exc
-        self.writer = SummaryWriter(log_dir=log_dir)
+        install = "pip install 'ncl-pipeline[tracking]' (or tensorboard)"
+        tensorboard = _require("torch.utils.tensorboard", "tensorboard", "tensorboard", install)
+        self.writer = tensorboard.SummaryWriter(log_dir=log_dir)
         self.writer.add_text("job", f"```\n{_yaml(config)}\n```")
         self.where = log_dir
 
@@ -88,13 +95,7 @@ class _TensorBoard:
 
 class _WandB:
     def __init__(self, log_dir: str, run_name: str, config: Mapping[str, Any]) -> None:
-        try:
-            import wandb
-        except ImportError as exc:
-            raise TrackingUnavailableError(
-                "train.report_to=wandb needs the wandb package, which is not installed: "
-                "pip install wandb (and wandb login), or set train.report_to=tensorboard or none"
-            ) from exc
+        wandb = _require("wandb", "wandb", "wandb", "pip install wandb (and wandb login)")
         self.run = wandb.init(project="ncl-pipeline", name=run_name, config=dict(config))
         self.where = f"W&B run {self.run.name}"
 
