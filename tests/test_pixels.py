@@ -114,3 +114,33 @@ def test_device_path_on_cuda_matches_the_cpu_decode(transform, blobs):
     # nvJPEG's IDCT and chroma upsampling differ from libjpeg-turbo's by a level or two more.
     assert levels.max() <= PIXEL_LEVELS + 2, float(levels.max())
     assert levels.mean() <= 2 * PIXEL_MEAN_LEVELS, float(levels.mean())
+
+
+def test_a_chunk_mixes_device_jpegs_and_thread_pixels(transform, blobs):
+    """`chunk_pixels`: JPEG bytes left to the device and pixels made in the decode threads
+    (a PNG here) become one batch, in order; a JPEG that does not decode is named."""
+    from pipeline.io.decode import DecodedSample, sample_pixels
+    from pipeline.models.pixels import PixelPlan, chunk_pixels, image_pixels
+
+    preprocess, spec = transform
+    plan = PixelPlan(torch.device("cpu"), True, spec, preprocess)
+    png = io.BytesIO()
+    Image.open(io.BytesIO(blobs[3])).convert("RGB").save(png, format="PNG")
+
+    def sample(data: bytes, fmt: str) -> DecodedSample:
+        return DecodedSample("k", "s", None, "c", None, {}, "", data, fmt, "jpg")
+
+    def thread_part(data: bytes, fmt: str):
+        return sample_pixels(sample(data, fmt), lambda image: image_pixels(image, plan), True)
+
+    pixels = [thread_part(blobs[0], "JPEG"), thread_part(png.getvalue(), "PNG")]
+    pixels += [thread_part(b"\xff\xd8 broken", "JPEG"), thread_part(blobs[2], "JPEG")]
+    assert isinstance(pixels[0], bytes) and pixels[1].dtype == np.uint8
+    errors, batch = chunk_pixels(pixels, plan)
+    assert errors[0] is None and errors[1] is None and errors[3] is None and errors[2]
+    reference = _cpu_path([blobs[0], png.getvalue(), blobs[2]], preprocess)
+    assert torch.equal(batch[1], reference[1])  # decoded by PIL in the thread: exact
+    levels = (batch - reference).abs() * torch.tensor(spec.std).view(1, 3, 1, 1) * 255
+    assert levels.max() <= PIXEL_LEVELS + 1e-3
+    broken_png = sample_pixels(sample(b"\x89PNG\r\n\x1a\n cut", "PNG"), np.asarray, True)
+    assert broken_png.reason == "undecodable_image" and broken_png.member == "k.jpg"

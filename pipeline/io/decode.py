@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from io import BytesIO
 from typing import Any
@@ -35,7 +36,14 @@ from pipeline.io.records import (
     Rejection,
 )
 
-__all__ = ["DecodeOptions", "DecodedSample", "decode_image", "decode_record"]
+__all__ = [
+    "DecodeOptions",
+    "DecodedSample",
+    "decode_image",
+    "decode_record",
+    "sample_pixels",
+    "undecodable",
+]
 
 # PIL format names tried for every image member: img2dataset's extension reflects the
 # requested output format, not necessarily the bytes, so any allowed format is accepted for
@@ -83,6 +91,7 @@ class DecodedSample:
     image_sha256: str = ""
     image_bytes: bytes = b""  # pixels=False: the member's bytes, undecoded
     image_format: str = ""  # pixels=False: "JPEG", "PNG" or "WEBP", from the header
+    image_ext: str = ""  # the image member's extension (its name is f"{key}.{image_ext}")
 
 
 # --------------------------------------------------------------------------- checks
@@ -210,6 +219,28 @@ def decode_image(data: bytes) -> Image.Image:
         return _to_rgb(image)
 
 
+def undecodable(sample: DecodedSample, detail: str) -> Rejection:
+    """The ``undecodable_image`` rejection of a sample whose image failed after its checks
+    (a device decoder's failure, named by `detail`)."""
+    member = f"{sample.key}.{sample.image_ext}"
+    return Rejection(sample.key, sample.shard, member, "undecodable_image", detail)
+
+
+def sample_pixels(sample: DecodedSample, to_pixels: Callable, keep_jpeg: bool):
+    """`to_pixels` of the sample's RGB image; with `keep_jpeg` and a sample decoded with
+    ``pixels=False`` whose image is a JPEG, its bytes instead (a device decodes them); the
+    sample's `undecodable` rejection when PIL cannot decode an image whose header passed."""
+    if sample.image is not None:
+        return to_pixels(sample.image)
+    if keep_jpeg and sample.image_format == "JPEG":
+        return sample.image_bytes
+    try:
+        image = decode_image(sample.image_bytes)
+    except Exception as exc:  # truncated data, codec errors: as decode_record reports them
+        return undecodable(sample, f"{type(exc).__name__}: {exc}")
+    return to_pixels(image)
+
+
 def decode_record(
     record: RawRecord, options: DecodeOptions = DecodeOptions(), *, pixels: bool = True
 ) -> DecodedSample | Rejection:
@@ -252,4 +283,5 @@ def decode_record(
         image_sha256=hashlib.sha256(image_bytes).hexdigest(),
         image_bytes=b"" if pixels else image_bytes,
         image_format="" if pixels else rgb,
+        image_ext=image_ext,
     )
