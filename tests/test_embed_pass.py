@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import json
 import logging
 import os
 from pathlib import Path
@@ -72,9 +73,11 @@ def _write_job(tmp_path: Path, shards: list[str], name: str = "run") -> Path:
 def test_embed_pass_writes_tables_that_reconcile(local_ray, corpus, tmp_path, caplog):
     job = load_job(_write_job(tmp_path, corpus["shards"]))
     caplog.set_level(logging.DEBUG, logger="pipeline")
-    metrics = run_job(job)
+    metrics = run_job(job, until="round0/keys")
     embed = metrics["rounds"]["0"]["embed"]
     out = Path(job.output)
+    stages = json.loads((out / "manifest.json").read_text())["stages"]
+    assert sorted(stages) == ["round0/embed", "round0/keys"]  # until= stopped after the keys
 
     # The driver logs one line per finished shard (DEBUG, shown with -v; a warning for the
     # unreadable one), then the summary table as one record.
@@ -180,7 +183,7 @@ def test_rerun_skips_complete_shards_and_redoes_partial_ones(local_ray, corpus, 
     rerun without any change is tests/test_rerun.py's first case."""
     shards = corpus["shards"][:3]
     job = load_job(_write_job(tmp_path, shards))
-    first = run_job(job)["rounds"]["0"]["embed"]
+    first = run_job(job, until="round0/embed")["rounds"]["0"]["embed"]
     emb_dir = Path(job.output) / "rounds" / "0" / "embeddings"
     done = emb_dir / "00001.parquet"
     reference = pq.read_table(done)
@@ -189,12 +192,20 @@ def test_rerun_skips_complete_shards_and_redoes_partial_ones(local_ray, corpus, 
     before = {p.name: p.stat().st_mtime_ns for p in emb_dir.glob("*.parquet")}
     assert len(before) == 2
 
-    again = run_job(job)["rounds"]["0"]["embed"]
+    again = run_job(job, until="round0/embed")["rounds"]["0"]["embed"]
     assert again["shards_skipped"] == 2 and again["embedded"] == reference.num_rows
     after = {p.name: p.stat().st_mtime_ns for p in emb_dir.glob("*.parquet")}
     assert {name: after[name] for name in before} == before
     assert pq.read_table(done).equals(reference)
     assert first["embedded"] == sum(pq.read_metadata(p).num_rows for p in emb_dir.glob("*.parquet"))
+
+
+def test_until_names_a_stage_of_the_job(local_ray, corpus, tmp_path):
+    from pipeline.config import JobConfigError
+
+    job = load_job(_write_job(tmp_path, corpus["shards"][:1]))
+    with pytest.raises(JobConfigError, match=r"until='round9/embed' is not a stage.*round0/keys"):
+        run_job(job, until="round9/embed")
 
 
 def test_changed_configuration_recomputes_the_embeddings(local_ray, corpus, tmp_path):

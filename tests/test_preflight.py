@@ -3,7 +3,6 @@ refusal end to end (a job no node can host fails in seconds, naming the key)."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from pipeline.config import JobConfig, JobConfigError

@@ -14,7 +14,7 @@ from dataclasses import replace
 from importlib import metadata
 from typing import Any
 
-from pipeline.config import JobConfig
+from pipeline.config import JobConfig, JobConfigError
 from pipeline.errors import RunFailedError, RunInterrupted, ShardFailuresError, UserError
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import expand_sources, shard_name, split_source
@@ -147,7 +147,9 @@ def _check_resume(job: JobConfig, layout: RunLayout) -> dict:
 class _RunRecord:
     """metrics.json and manifest.json of one run; the manifest's `stages` is the run state."""
 
-    def __init__(self, job: JobConfig, layout: RunLayout, manifest: dict) -> None:
+    def __init__(
+        self, job: JobConfig, layout: RunLayout, manifest: dict, until: str | None = None
+    ) -> None:
         self.job = job
         self.layout = layout
         self.manifest = manifest
@@ -166,6 +168,12 @@ class _RunRecord:
         manifest["shards"] = {"failed": [], "changed": [], "duplicate_keys": {}}
         self.state = RunState(manifest["stages"], save=self.save_manifest)
         self.graph = {node.stage: node for node in stage_graph(job)}
+        if until is not None and until not in self.graph:
+            raise JobConfigError(
+                f"until={until!r} is not a stage of this job; its stages: {', '.join(self.graph)}"
+            )
+        self.until = until
+        self.until_done = False
         self.shard_keys: dict[str, str] = {}  # round-0 key of every input shard
         self.stage = "the embed pass (round 0)"  # what runs now, for error messages
         logger.debug(f"versions: {manifest['versions']}")
@@ -201,12 +209,20 @@ class _RunRecord:
         self.save_manifest()
         self.write_metrics()
 
+    def starting(self, stage: str) -> None:
+        """Called as each stage starts: stop the run if `until`'s stage came before it (its
+        caller has recorded its summary by then)."""
+        if self.until_done:
+            raise _StopAfter(self.until)
+        self.until_done = stage == self.until
+
     def run_stage(self, stage: str, shard_paths, compute, clear=None) -> dict:
         """Reuse `stage`'s recorded summary, or clear its old outputs and compute it.
 
         `compute(stamp)` runs the stage and writes `stamp` (its key, `StageKey.stamp`) into the
         summary it writes last, so that a damaged manifest is rebuilt from the outputs.
         """
+        self.starting(stage)
         node = self.graph[stage]
         names = [shard_name(p) for p in shard_paths]
         token = shards_token({name: self.shard_keys[name] for name in names})
@@ -226,13 +242,18 @@ class _RunRecord:
         return summary
 
 
-def run_job(job: JobConfig) -> dict:
+class _StopAfter(Exception):
+    """Raised when a stage starts after `run_job(..., until=...)`'s stage finished."""
+
+
+def run_job(job: JobConfig, until: str | None = None) -> dict:
     """Run the pipeline for `job` on Ray and return the metrics written to metrics.json.
 
     Progress and summaries go to this module's logger (and the stages' loggers); what the
     terminal shows is set up by the caller (pipeline.runtime.console). The run holds the
     output's lease while it runs (pipeline.run.lease) and stops on SIGINT / SIGTERM
-    (pipeline.run.interrupts).
+    (pipeline.run.interrupts). `until` names a stage of the job's graph
+    (`pipeline.run.state.stage_graph`, e.g. "round0/keys"): the run stops once it is done.
 
     Raises:
         ShardPatternError: the input pattern matches no file.
@@ -260,10 +281,12 @@ def run_job(job: JobConfig) -> dict:
         job_tracking(job, layout.output),  # a missing tracker package fails here, before Ray
     ):
         manifest = _check_resume(job, layout)
-        return _run_held(job, layout, shard_paths, views, manifest, interrupts)
+        return _run_held(job, layout, shard_paths, views, manifest, interrupts, until)
 
 
-def _run_held(job, layout: RunLayout, shard_paths, views, manifest, interrupts: Interrupts):
+def _run_held(
+    job, layout: RunLayout, shard_paths, views, manifest, interrupts: Interrupts, until=None
+):
     """The run, once it holds the output's lease: Ray, preflight, the stages."""
     from pipeline.run.space import check_output_space, embedded_pairs, remaining_space_note
     from pipeline.runtime.preflight import check_cluster
@@ -280,15 +303,15 @@ def _run_held(job, layout: RunLayout, shard_paths, views, manifest, interrupts: 
             f"ncl-pipeline: job '{job.name}', {len(shard_paths)} shards, {where}, "
             f"output {layout.output}"
         )
-        run = _RunRecord(job, layout, manifest)
+        run = _RunRecord(job, layout, manifest, until)
         _run_stages(job, layout, shard_paths, views, run)
+    except _StopAfter as stop:
+        logger.debug(f"stopped after {stop} (until=)")
     except RunInterrupted as exc:
         raise _interrupted(exc.signum, run) from None
     except (ShardFailuresError, RunConflictError):
         raise
     except Exception as exc:
-        from pipeline.config import JobConfigError
-
         if interrupts.signum is not None:  # a signal that surfaced as another error
             raise _interrupted(interrupts.signum, run) from exc
         if isinstance(exc, JobConfigError) or run is None:
@@ -538,6 +561,7 @@ def _embed(run: _RunRecord, shard_paths: list[str], round_index: int, views) -> 
 
     job, layout, state = run.job, run.layout, run.state
     node = run.graph[f"round{round_index}/embed"]
+    run.starting(node.stage)
     paths = {shard_name(p): p for p in shard_paths}
     if round_index == 0:
         run.shard_keys = round0_shard_keys(job, node, state.tokens, paths)
