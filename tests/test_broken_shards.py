@@ -238,10 +238,10 @@ def test_a_shard_changed_in_place_stops_training_with_one_paragraph(
     assert failed.value.log_path in message and Path(failed.value.log_path).exists()
     assert "raised on a training worker" in Path(failed.value.log_path).read_text()
     assert not (tmp_path / "run" / "labels").exists()
-    # Not retried: the changed shard would fail every restart (train.max_failures is 3); the one
-    # restart Ray Train makes finds the worker's record and ends at once.
+    # Not retried: the changed shard would fail every retry (train.max_failures is 3); the one
+    # worker's task records the error and ends, so no retry starts.
     record = json.loads((tmp_path / "run" / "rounds/0/checkpoints/train_error.json").read_text())
-    assert record["type"] == "ShardChangedError" and record["restarts_ended"] == 1
+    assert record["type"] == "ShardChangedError" and "restarts_ended" not in record
     # Ray's own reports of the failure (a traceback per layer) stay off the terminal.
     shown = "\n".join(capfd.readouterr())
     for ray_report in ("Error in training function", "[FailurePolicy]", "Full stack trace"):

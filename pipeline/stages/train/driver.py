@@ -18,6 +18,7 @@ import pickle
 import signal
 import threading
 
+from pipeline.errors import root_cause
 from pipeline.io.layout import RunLayout
 from pipeline.io.tables import read_json, remove_path
 from pipeline.stages.train.data import steps_per_epoch
@@ -163,8 +164,16 @@ def run_training(spec: TrainSpec) -> dict:
 
 
 def train_worker(config: dict) -> None:
-    """The single training worker of a round, as a Ray task (see the module docstring)."""
-    train_loop(config)
+    """The single training worker of a round, as a Ray task (see the module docstring).
+
+    An error a retry would only repeat (`NOT_RETRIED`) is recorded by `train_loop` and ends
+    the task normally: the driver raises the record, and Ray neither retries the task nor
+    reports the failure on the terminal."""
+    try:
+        train_loop(config)
+    except Exception as exc:
+        if not isinstance(root_cause(exc), NOT_RETRIED):
+            raise
 
 
 def _run_one_worker(spec: TrainSpec, board) -> None:
