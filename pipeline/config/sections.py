@@ -423,7 +423,12 @@ class TrainConfig(_Section):
     weight_decay: float = Field(0.2, ge=0, description="AdamW weight decay (CLIP fine-tuning).")
     lr_warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up steps before cosine.")
     grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip; 0 = off.")
-    workers: int = Field(1, ge=1, description="Ray Train DDP workers (one GPU each on GPUs).")
+    workers: int = Field(
+        1,
+        ge=1,
+        description="Training workers, one GPU each on GPUs: 1 runs in one Ray task, more as "
+        "Ray Train DDP workers.",
+    )
     torch_threads: int | None = Field(
         None, ge=1, description="CPU training: torch threads per worker (null = Ray's default, 1)."
     )
@@ -440,8 +445,9 @@ class TrainConfig(_Section):
     max_failures: int = Field(
         3,
         ge=0,
-        description="Times Ray Train restarts a round's workers after a failure (a lost node, "
-        "a killed worker); each restart resumes from the last resume checkpoint.",
+        description="Times a round's training restarts after a failure (a lost node, a killed "
+        "worker: Ray retries one worker's task, Ray Train restarts several); each restart "
+        "resumes from the last resume checkpoint.",
     )
     report_to: Literal["none", "tensorboard", "wandb"] = Field(
         "none",
