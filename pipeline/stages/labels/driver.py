@@ -369,7 +369,7 @@ def _summary(spec, shards, missing, total, results, fits, partition, index_info)
 
 
 def _component(fit: MixtureFit, which: str) -> str:
-    if fit.no_spread or fit.means is None:
+    if fit.no_spread or fit.means is None or fit.weights is None:
         return "n/a"
     index = fit.clean_component if which == "clean" else fit.noisy_component
     return f"{fit.means[index]:.3f} (weight {fit.weights[index]:.2f})"
