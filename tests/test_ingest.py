@@ -10,6 +10,7 @@ round-0 tables equal to its own up to float16 rounding.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -40,13 +41,19 @@ def _write_part(root, index: int, columns: dict, image: np.ndarray, text: np.nda
 
 def _encode_corpus(paths: list[str], job) -> dict:
     """Every decodable pair of the shards, embedded by the job's round-0 model (view a)."""
+    from pipeline.run.runner import model_specs
+
+    return _encode_with(model_specs(job)["a"], paths)
+
+
+def _encode_with(model, paths: list[str]) -> dict:
+    """Every decodable pair of the shards, embedded by `model` through encode_pairs."""
     import torch
 
     from pipeline.io.shards import DecodedSample, decode_record, iter_shard_records
     from pipeline.models import encode_pairs, load_clip
-    from pipeline.run.runner import model_specs
 
-    loaded = load_clip(model_specs(job)["a"], "cpu")
+    loaded = load_clip(model, "cpu")
     rows: dict[str, list] = {"key": [], "caption": [], "url": [], "image": [], "text": []}
     for path in sorted(paths):
         samples = [decode_record(r) for r in iter_shard_records(path)]
@@ -212,6 +219,27 @@ def test_embeddings_of_another_model_are_refused(tmp_path):
     assert _job(tmp_path, "ncl-tiny", "null", str(tmp_path)).embed.from_embeddings.model
 
 
+def test_under_sources_the_folder_names_its_source(tmp_path):
+    import yaml
+
+    from pipeline.config import JobConfigError, load_job
+
+    def job(input_section: dict, source: str | None):
+        given = {"path": str(tmp_path), "model": "ncl-tiny", "pretrained": None}
+        model = {"name": "ncl-tiny", "pretrained": None}
+        body = {"name": "t", "input": input_section, "output": str(tmp_path / "run")}
+        body |= {"model": model, "embed": {"from_embeddings": given | {"source": source}}}
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(body))
+        return load_job(tmp_path / "job.yaml")
+
+    sources = {"sources": [{"name": "cc3m", "shards": "a.tar"}, {"name": "cc12m", "shards": "b"}]}
+    with pytest.raises(JobConfigError, match="must name the source .* one of cc3m, cc12m"):
+        job(sources, None)
+    assert job(sources, "cc12m").embed.from_embeddings.source == "cc12m"
+    with pytest.raises(JobConfigError, match="names a source but the job has input.shards"):
+        job({"shards": "a.tar"}, "cc3m")
+
+
 def test_embeddings_of_another_dimension_are_refused(tmp_path):
     from pipeline.run.runner import embeddings_source
 
@@ -259,3 +287,47 @@ def test_lookup_reads_rows_by_key_and_refuses_ambiguous_ones(tmp_path):
     assert np.array_equal(got_image, image[wanted]) and np.array_equal(got_text, text[wanted])
     _, why = lookup.find([keys[5]], ["another caption"])
     assert why == ["caption_differs"]
+
+
+def test_under_sources_only_the_named_sources_shards_are_ingested(tmp_path):
+    """embed_shard itself (no Ray): shards of the folder's source read it by their keys
+    without the '<source>/' prefix; another source's shard is embedded by the model."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipeline.config import EmbedConfig
+    from pipeline.data.synthetic import make_corpus
+    from pipeline.io.shards import source_location
+    from pipeline.models import ModelSpec, load_clip
+    from pipeline.stages.embed import EmbedSpec, embed_shard
+
+    make_corpus(tmp_path / "c", samples=32, samples_per_shard=16, test_samples=0, image_size=32)
+    model = ModelSpec("ncl-tiny", None, "fp32", seed=0)
+    rows = _encode_with(model, [str(tmp_path / "c" / "00000.tar")])
+    write_clip_retrieval_folder(tmp_path / "emb", rows, left_out=[], recaptioned=0)
+    spec = EmbedSpec(
+        output=str(tmp_path / "run"),
+        round_index=0,
+        views={"a": model},
+        seed=0,
+        embed=EmbedConfig(batch_size=8),
+        source=open_embeddings_folder(str(tmp_path / "emb")),
+        source_name="cc3m",
+    )
+    models = {"a": load_clip(model, "cpu")}
+    with ThreadPoolExecutor(2) as pool:
+        mine = embed_shard(
+            source_location("cc3m", str(tmp_path / "c" / "00000.tar")), spec, models, pool
+        )
+        other = embed_shard(
+            source_location("cc12m", str(tmp_path / "c" / "00001.tar")), spec, models, pool
+        )
+    assert (mine["embedded"], mine["ingested"]) == (16, 15)  # row 0 was recaptioned
+    assert json.loads(mine["not_ingested"]) == {
+        "reasons": {"caption_differs": 1},
+        "examples": ["cc3m/000000000"],
+    }
+    assert (other["embedded"], other["ingested"], json.loads(other["not_ingested"])["reasons"]) == (
+        16,
+        0,
+        {},
+    )

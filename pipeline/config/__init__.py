@@ -101,6 +101,17 @@ class JobConfig(_Section):
                 f"job's model is {self.model.name} ({self.model.pretrained}); later rounds start "
                 "from model.*, so set model.name and model.pretrained to the embeddings' model"
             )
+        names = [source.name for source in self.input.sources or ()]
+        if names and given.source not in names:
+            raise ValueError(
+                f"embed.from_embeddings.source is {given.source}; under input.sources it must "
+                f"name the source whose download was embedded, one of {', '.join(names)}"
+            )
+        if not names and given.source is not None:
+            raise ValueError(
+                "embed.from_embeddings.source names a source but the job has input.shards; "
+                "leave it out (or use input.sources)"
+            )
         return self
 
     @model_validator(mode="after")

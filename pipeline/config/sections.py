@@ -128,6 +128,11 @@ class FromEmbeddingsConfig(_Section):
         "auto",
         description="Metadata column holding the img2dataset key; auto: key, else image_path.",
     )
+    source: str | None = Field(
+        None,
+        description="Under input.sources: the source whose download was embedded (its keys "
+        "without the '<source>/' prefix are looked up); other sources' pairs use the model.",
+    )
 
 
 class EmbedConfig(_Section):

@@ -589,6 +589,7 @@ def _embed(run: _RunRecord, shard_paths: list[str], round_index: int, views) -> 
         write_quarantine=round_index == 0,  # the input does not change between rounds
         shard_keys=expected,
         source=embeddings_source(job) if round_index == 0 and pending else None,
+        source_name=getattr(job.embed.from_embeddings, "source", None),
     )
     summary = run_embed_pass(spec, [paths[name] for name in pending], len(paths) - len(pending))
     after = {**found, **table_keys({name: tables[name] for name in pending})}

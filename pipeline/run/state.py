@@ -325,7 +325,9 @@ def embed_base(job, node: StageNode, tokens: Mapping[str, str]) -> StageKey:
     if node.round_index == 0 and job.embed.from_embeddings is not None:
         from pipeline.io.clip_retrieval import folder_token
 
-        inputs["from_embeddings"] = folder_token(job.embed.from_embeddings.path)
+        given = job.embed.from_embeddings
+        token = folder_token(given.path)
+        inputs["from_embeddings"] = token if given.source is None else f"{given.source}:{token}"
     return StageKey(node.stage, stage_config(job, "embed"), inputs)
 
 

@@ -73,7 +73,9 @@ from pipeline.io.shards import (
     ShardReadStats,
     decode_record,
     iter_shard_records,
+    qualify_key,
     shard_name,
+    split_source,
 )
 from pipeline.io.tables import QUARANTINE_SCHEMA, embedding_schema, write_table_atomic
 from pipeline.models import LoadedClip, ModelSpec, encode_pairs, load_clip
@@ -119,6 +121,7 @@ class EmbedSpec:
     device: str = "auto"
     shard_keys: Mapping[str, str] = field(default_factory=dict)  # shard -> run-state key (footer)
     source: EmbeddingsFolder | None = None  # round 0's clip-retrieval embeddings, if any
+    source_name: str | None = None  # the input source they embedded (None: input.shards)
 
 
 @dataclass
@@ -135,15 +138,16 @@ class _ShardBuffers:
     rejections: list[Rejection] = field(default_factory=list)
     not_ingested: Counter = field(default_factory=Counter)  # why -> pairs the model embedded
     not_ingested_keys: list[str] = field(default_factory=list)  # the first few
+    ingesting: bool = False  # the shard's embeddings come from spec.source
 
 
-def _preprocess(sample: DecodedSample | Rejection, loaded: LoadedClip, lookup):
+def _preprocess(sample: DecodedSample | Rejection, loaded: LoadedClip, lookup, prefix: str):
     """(sample, its pixels, its row in `lookup` (-1: none), why not); pixels only for the
     pairs the model embeds."""
     if isinstance(sample, Rejection):
         return sample, None, -1, ""
     if lookup is not None:
-        found, why = lookup.find([sample.key], [sample.caption])
+        found, why = lookup.find([sample.key.removeprefix(prefix)], [sample.caption])
         if found[0] >= 0:
             return sample, None, int(found[0]), ""
         return sample, loaded.preprocess(sample.image), -1, why[0]
@@ -154,13 +158,16 @@ def _preprocess(sample: DecodedSample | Rejection, loaded: LoadedClip, lookup):
 _process_lookups: dict[EmbeddingsFolder, EmbeddingLookup] = {}
 
 
-def _lookup(spec: EmbedSpec) -> EmbeddingLookup | None:
-    if spec.source is None or spec.round_index != 0:
-        return None
+def _shard_lookup(spec: EmbedSpec, path: str) -> tuple[EmbeddingLookup | None, str]:
+    """The lookup a round-0 shard reads its embeddings from, and the prefix its keys carry
+    beyond the folder's (its source's); (None, "") when the model embeds the shard."""
+    source, _ = split_source(path)
+    if spec.source is None or spec.round_index != 0 or source != spec.source_name:
+        return None, ""
     if spec.source not in _process_lookups:
         _process_lookups.clear()
         _process_lookups[spec.source] = EmbeddingLookup(spec.source)
-    return _process_lookups[spec.source]
+    return _process_lookups[spec.source], qualify_key(source, "")
 
 
 def _load_views(spec: EmbedSpec) -> dict[str, LoadedClip]:
@@ -227,13 +234,12 @@ def embed_shards_on_cpu(batch: dict[str, np.ndarray], spec: EmbedSpec) -> dict[s
     return _embed_paths(batch["path"], spec, models, pool)
 
 
-def _decode_chunk(records, spec: EmbedSpec, loaded: LoadedClip, pool: ThreadPoolExecutor):
+def _decode_chunk(records, spec: EmbedSpec, loaded: LoadedClip, pool, lookup=(None, "")):
     """Decode + preprocess a chunk of raw records on the thread pool (returns futures)."""
-    lookup = _lookup(spec)
 
     def work(record):
         sample = decode_record(record, spec.decode)
-        return _preprocess(sample, loaded, lookup)
+        return _preprocess(sample, loaded, *lookup)
 
     return [pool.submit(work, record) for record in records]
 
@@ -321,8 +327,8 @@ def _read_shard(
     admitted: frozenset[str] | None,
 ) -> _ShardBuffers:
     """Stream, decode and embed one shard; only `admitted` keys when given (rounds >= 1)."""
-    buffers = _ShardBuffers()
-    lookup = _lookup(spec)
+    lookup, prefix = _shard_lookup(spec, path)
+    buffers = _ShardBuffers(ingesting=lookup is not None)
     first_model = next(iter(models.values()))
     pending = None  # futures of the chunk being decoded while the previous one is embedded
     chunk: list = []
@@ -334,11 +340,11 @@ def _read_shard(
             continue
         chunk.append(item)
         if len(chunk) == spec.embed.batch_size:
-            futures = _decode_chunk(chunk, spec, first_model, pool)
+            futures = _decode_chunk(chunk, spec, first_model, pool, (lookup, prefix))
             if pending is not None:
                 _embed_decoded(pending, buffers, models, lookup)
             pending, chunk = futures, []
-    tail = _decode_chunk(chunk, spec, first_model, pool) if chunk else None
+    tail = _decode_chunk(chunk, spec, first_model, pool, (lookup, prefix)) if chunk else None
     for futures in (pending, tail):
         if futures is not None:
             _embed_decoded(futures, buffers, models, lookup)
@@ -397,7 +403,7 @@ def embed_shard(
         "changed": changed,
         "bytes": stats.size if stats.size is not None else -1,
         "sha256": stats.sha256 or "",
-        "ingested": n - sum(buffers.not_ingested.values()) if _lookup(spec) else 0,
+        "ingested": n - sum(buffers.not_ingested.values()) if buffers.ingesting else 0,
         "not_ingested": json.dumps(
             {"reasons": dict(buffers.not_ingested), "examples": buffers.not_ingested_keys}
         ),
