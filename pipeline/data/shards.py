@@ -59,6 +59,7 @@ def _damage(mode: str | None, jpg: bytes, txt: bytes | None) -> tuple[bytes, byt
     if mode == "missing_txt":
         return jpg, None
     if mode == "invalid_utf8":
+        assert txt is not None, "invalid_utf8 damages a caption: the sample needs one"
         # 0xff never occurs in UTF-8; a lone continuation byte mid-text is invalid as well.
         half = len(txt) // 2
         return jpg, b"\xff" + txt[:half] + b"\x80" + txt[half:]
