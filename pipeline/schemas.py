@@ -1,8 +1,8 @@
 """Exports of the project's contracts, generated from the code (docs/architecture.md §4.4).
 
-`schemas/job.schema.json` is the job file's JSON Schema, `schemas/labels.v3.json` the label
-table's columns and file metadata (docs/architecture.md §4.4; `labels.v1.json` and
-`labels.v2.json`, the previous versions, are kept for readers of old runs), and
+`schemas/job.schema.json` is the job file's JSON Schema, `schemas/labels.v4.json` the label
+table's columns and file metadata (docs/architecture.md §4.4; the previous versions'
+`labels.v<n>.json` are kept for readers of old runs), and
 `docs/config.md` the job file's reference for people: one Markdown table per section, rendered
 from the pydantic models' field descriptions (`render_config_reference`). Tests fail when a
 committed file differs from what this module generates; `ncl-pipeline schemas` (`make schemas`)

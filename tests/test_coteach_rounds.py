@@ -130,7 +130,7 @@ def test_views_differ_and_each_model_trains_on_the_other_views_labels(sps_run):
     meta = {k.decode(): v.decode() for k, v in a.schema.metadata.items()}
     assert meta["ncl.round"] == "1" and meta["ncl.view"] == "a"
     assert json.loads(meta["ncl.mixture"])["fits"]  # lineage: the mixture parameters
-    assert meta.get("ncl.trainee_view") == "b"  # SPS: P^ from the model that trains on it
+    assert meta.get("ncl.labelling_view") == "b"  # SPS: P^ from the model that trains on it
     job = sps_run["job"]
     spec = coteach_spec(job, RunLayout(job.output), resolve_inputs(job), 1, {})
     by_name = {v.name: v for v in spec.views}

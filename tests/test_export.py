@@ -248,7 +248,7 @@ def test_published_labels_carry_uid_and_image_sha256(real_run, tmp_path):
     checked = [r for r in rows if r["key"] in intact]
     assert checked and all(r["image_sha256"] == metas[r["key"]]["sha256"] for r in checked)
     meta = pq.read_schema(next(Path(labels_folder(real_run["run"])[1]).glob("*.parquet"))).metadata
-    assert meta[b"ncl.schema"] == b"labels.v3"
+    assert meta[b"ncl.schema"] == b"labels.v4"
 
     summary = export_run(
         ExportSpec(run=str(real_run["run"]), out=str(tmp_path / "o"), subsets=("clean", "noisy"),

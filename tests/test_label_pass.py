@@ -81,7 +81,7 @@ def test_labels_table_schema_and_metadata(blob_run, blob_labels):
             schema = pq.read_schema(path)
             assert schema.remove_metadata() == LABELS_SCHEMA.remove_metadata()
             meta = {k.decode(): v.decode() for k, v in schema.metadata.items()}
-            assert meta["ncl.schema"] == "labels.v3" and meta["ncl.job_hash"] == "test"
+            assert meta["ncl.schema"] == "labels.v4" and meta["ncl.job_hash"] == "test"
             assert meta["ncl.model_id"] == "blobs" and meta["ncl.method"] == method
             assert meta["ncl.pipeline_version"]
             fits = json.loads(meta["ncl.mixture"])["fits"]
@@ -278,12 +278,12 @@ def test_label_spec_validation():
 
 
 def test_committed_labels_schemas_are_current():
-    committed = json.loads((ROOT / "schemas" / "labels.v3.json").read_text())
+    committed = json.loads((ROOT / "schemas" / "labels.v4.json").read_text())
     assert committed == labels_json_schema()
     assert [c["name"] for c in committed["columns"]] == LABELS_SCHEMA.names
-    assert committed["file_metadata"]["ncl.schema"] == "labels.v3"
+    assert committed["file_metadata"]["ncl.schema"] == "labels.v4"
     # The previous versions stay for readers of old runs: each only appended columns.
-    for version in ("labels.v1", "labels.v2"):
+    for version in ("labels.v1", "labels.v2", "labels.v3"):
         previous = json.loads((ROOT / "schemas" / f"{version}.json").read_text())
         assert previous == labels_json_schema(version)
         names = [c["name"] for c in previous["columns"]]
@@ -485,7 +485,7 @@ def test_rcr_ranks_unique_images(two_view_run, tmp_path, include_self):
 
 
 @pytest.mark.ray
-def test_sps_trainee_view(two_view_run, tmp_path):
+def test_sps_labels_from_the_trainee_view(two_view_run, tmp_path):
     """Partition from view a (the peer), P^ and proxies from view b (the model trained)."""
     import faiss
 
@@ -511,15 +511,15 @@ def test_sps_trainee_view(two_view_run, tmp_path):
         trainee_view="b",
     )
     summary = run_label_pass(spec)
-    assert summary["trainee_view"] == "b"
+    assert summary["labelling_view"] == "b"
     one = _labels_in_id_order(alone.out_dir, run["shards"])
     two = _labels_in_id_order(spec.out_dir, run["shards"])
     for column in ("key", "subset", "clean_prob", "loss", "cosine"):
         assert two.column(column).equals(one.column(column)), column
     meta = pq.read_schema(f"{spec.out_dir}/{run['shards'][0]}.parquet").metadata
-    assert meta[b"ncl.trainee_view"] == b"b" and meta[b"ncl.view"] == b"a"
+    assert meta[b"ncl.labelling_view"] == b"b" and meta[b"ncl.view"] == b"a"
     alone_meta = pq.read_schema(f"{alone.out_dir}/{run['shards'][0]}.parquet").metadata
-    assert alone_meta[b"ncl.trainee_view"] == b"a"
+    assert alone_meta[b"ncl.labelling_view"] == b"a"
 
     embeddings = run["embeddings"]
     subset = np.array(two.column("subset").to_pylist())

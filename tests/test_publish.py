@@ -88,27 +88,34 @@ def test_every_registered_score_column_is_in_the_schema_and_averaged_on_publish(
 
 
 def test_a_view_table_without_a_later_score_column_publishes_it_null(tmp_path):
-    """A labels.v2 view table (written before `assign` existed) publishes as labels.v3 with
+    """A labels.v2 view table (written before `assign` existed) publishes as labels.v4 with
     `assign` null, the v2 score columns still averaged."""
     _, _, published = _publish(tmp_path, schema_b=LABELS_V2_SCHEMA)
     assert published.column("assign").null_count == N
     assert published.column("sps").null_count == 0
-    assert published.schema.metadata[b"ncl.schema"] == b"labels.v3"
+    assert published.schema.metadata[b"ncl.schema"] == b"labels.v4"
 
 
 @pytest.mark.parametrize("version", READABLE_SCHEMA_NAMES)
 def test_reader_accepts_every_version_with_later_columns_null(tmp_path, version):
-    from pipeline.io.labels import labels_json_schema
+    """Also the labelling view: labels.v1-v3 wrote it as `ncl.trainee_view`, v4 as
+    `ncl.labelling_view`; `label_table_metadata` returns it under the v4 key for both."""
+    from pipeline.clients.read import label_table_metadata
+    from pipeline.io.labels import LABELLING_VIEW_KEY, labels_json_schema
 
     names = [c["name"] for c in labels_json_schema(version)["columns"]]
+    view_key = LABELLING_VIEW_KEY if version == LABELS_SCHEMA_NAME else "ncl.trainee_view"
     schema = pa.schema([LABELS_SCHEMA.field(n) for n in names], {"ncl.schema": version})
     table = _view_table(schema, 3, "a")
+    table = table.replace_schema_metadata({**table.schema.metadata, view_key: "b"})
     write_table_atomic(table, str(tmp_path / "labels" / "00000.parquet"), table.schema)
-    read = read_labels(tmp_path).to_table()
+    dataset = read_labels(tmp_path)
+    read = dataset.to_table()
     assert read.schema.names == LABELS_SCHEMA.names
     for name in LABELS_SCHEMA.names[len(names) :]:
         assert read.column(name).null_count == N, (version, name)
     np.testing.assert_array_equal(read.column("soft_label"), table.column("soft_label"))
+    assert label_table_metadata(dataset)[LABELLING_VIEW_KEY] == "b"
 
 
 # ------------------------------------------------------------------ generations of labels/

@@ -1,12 +1,13 @@
-"""Public reader of the soft-label tables (`labels.v3`, and the older `labels.v2` and `labels.v1`;
+"""Public reader of the soft-label tables (`labels.v4` and every older version;
 docs/architecture.md §4.4).
 
 Contract: `read_labels(path)` returns a `pyarrow.dataset.Dataset` over one folder of label
 tables (for a run, the generation `labels/_CURRENT` names, resolved once, so a publish during
 the read does not mix two runs' rows; an older run's flat `labels/` reads too;
 `pipeline.io.generations`), with the explicit (current) `LABELS_SCHEMA`, after checking that
-every file declares one of `READABLE_SCHEMA_NAMES` (`labels.v1`, `v2`, `v3`) as `ncl.schema` in
-its Parquet metadata.
+every file declares one of `READABLE_SCHEMA_NAMES` (`labels.v1` to `v4`) as `ncl.schema` in
+its Parquet metadata. `label_table_metadata` returns a table's `ncl.*` metadata with the
+labelling view under its labels.v4 key whichever version wrote the file.
 An older file reads with the columns later versions appended null (v1: `uid`, `image_sha256`,
 `assign`; v2: `assign`). It reads nothing else: filter, project and
 convert with pyarrow (`.to_table(columns=[...], filter=...)`, `.to_batches()`), or hand the
@@ -21,9 +22,21 @@ import pyarrow.dataset as ds
 
 from pipeline.errors import UserError
 from pipeline.io.generations import current_generation
-from pipeline.io.labels import LABELS_SCHEMA, READABLE_SCHEMA_NAMES
+from pipeline.io.labels import (
+    LABELLING_VIEW_KEY,
+    LABELS_SCHEMA,
+    READABLE_SCHEMA_NAMES,
+    labelling_view,
+)
 
-__all__ = ["LabelTableError", "label_files", "labels_folder", "labels_folder_url", "read_labels"]
+__all__ = [
+    "LabelTableError",
+    "label_files",
+    "label_table_metadata",
+    "labels_folder",
+    "labels_folder_url",
+    "read_labels",
+]
 
 
 class LabelTableError(UserError, ValueError):
@@ -111,7 +124,7 @@ def label_files(path: str | os.PathLike, view: str | None = None) -> dict[str, s
 
 
 def read_labels(path: str | os.PathLike, *, view: str | None = None) -> ds.Dataset:
-    """The label tables under `path` as one pyarrow Dataset (schema `labels.v3`).
+    """The label tables under `path` as one pyarrow Dataset (schema `labels.v4`).
 
     Args:
         path: run directory, label folder or round directory (see `labels_folder`); a local
@@ -142,3 +155,17 @@ def read_labels(path: str | os.PathLike, *, view: str | None = None) -> ds.Datas
     return ds.dataset(
         files, schema=LABELS_SCHEMA, format="parquet", filesystem=None if local else fs
     )
+
+
+def label_table_metadata(dataset: ds.Dataset) -> dict[str, str]:
+    """The `ncl.*` metadata of the first file of a `read_labels` dataset, with the labelling
+    view under `LABELLING_VIEW_KEY` also when an older version wrote it (`ncl.trainee_view`)."""
+    import pyarrow.parquet as pq
+
+    with dataset.filesystem.open_input_file(dataset.files[0]) as handle:
+        raw = pq.read_schema(handle).metadata or {}
+    metadata = {k.decode(): v.decode() for k, v in raw.items() if k.startswith(b"ncl.")}
+    view = labelling_view(metadata)
+    if view is not None:
+        metadata[LABELLING_VIEW_KEY] = view
+    return metadata

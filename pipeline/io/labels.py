@@ -1,37 +1,17 @@
-"""The soft-label table `labels.v3` (docs/architecture.md §4.4): its one explicit schema and
-its JSON export.
+"""The soft-label table `labels.v4` (docs/architecture.md §4.4): its one explicit schema, its
+file metadata and its JSON export.
 
 Contract:
-- `LABELS_SCHEMA` is the only definition of the label table. The label pass writes every file
-  with it (plus per-file metadata from `labels_file_metadata`), `pipeline.clients.read.read_labels`
-  reads with it, and `schemas/labels.v3.json` is generated from it (`labels_json_schema`).
-- Score columns come from the label-method registry (`pipeline.core.labels.SCORE_COLUMNS` and
-  their `SCORE_DESCRIPTIONS`): v1's three (`bicro`, `rcr`, `sps`) keep their v1 positions, every
-  later method's column is appended after v2's columns. A method that adds a score column
-  therefore changes the table: `schemas/labels.v3.json` stops matching (a test) and the change
-  needs a new version here.
-- Versions (contracts change only by a versioned, documented step). `labels.v2` =
-  `labels.v1` + two nullable columns appended at the end, `uid` and `image_sha256`, the stable
-  ids downstream joins need; no v1 column changed name, type, order or meaning. What a reader
-  of v1 sees in a v2 file: the same first 15 columns, two more at the end (pandas, polars,
-  DuckDB, Spark and pyarrow read them as ordinary columns; code that selects columns by name is
-  unaffected), and `ncl.schema=labels.v2`, which a strict v1 checker (the `read_labels` of
-  releases before v2) refuses with "not a labels.v1 label table" rather than misreading.
-  `labels.v3` = `labels.v2` + the nullable score column `assign` appended, in the same way.
-  Readers of this version accept all three (`READABLE_SCHEMA_NAMES`); an older file reads with
-  the columns it lacks null. `LABELS_V1_SCHEMA`, `LABELS_V2_SCHEMA` and their
-  `schemas/labels.v1.json`, `labels.v2.json` stay for reference.
-- `uid` (DataComp's convention): the sample json's `uid` when it is 32 hex digits, else the first
-  128 bits of the SHA-256 of the key (`uid_of`); 32 lowercase hex digits. `image_sha256`: hex
-  SHA-256 of the image member's bytes as stored in the tar (what the embed pass hashes).
-- File-level metadata always holds `ncl.schema=labels.v3`, the pipeline version, the job hash,
-  the model id and the mixture parameters (JSON); `REQUIRED_METADATA` lists those keys.
-  `ncl.shard_path` (the source tar, for report thumbnails) and the method/round/view are
-  recorded too, and `ncl.trainee_view`: the view whose embeddings and losses made the labels
-  (SPS's trainee; the view itself for every other method).
-- `SPS_PROXIES_SCHEMA` is the intermediate table of SPS proxy pairs under `rounds/` (free to
-  change, not a contract; its version in `ncl.schema`: `sps_proxies.v2` appended the noisy
-  caption T_n and the two P^ columns to v1, so the trainer can train the text direction).
+- `LABELS_SCHEMA` is the only definition of the label table: the label pass writes every file
+  with it plus `labels_file_metadata`, `pipeline.clients.read` reads with it, and
+  `schemas/labels.v4.json` is generated from it (`labels_json_schema`).
+- Score columns come from the label-method registry (`pipeline.core.labels.SCORE_COLUMNS`); a
+  new score column changes the table and needs a new version here.
+- Each version is a prefix of the next or renames file metadata only; readers accept every
+  `READABLE_SCHEMA_NAMES` entry (`labelling_view` reads the view under its old key too). The
+  version history is in docs/architecture.md §4.4.
+- `uid_of`: DataComp's 128-bit uid. `SPS_PROXIES_SCHEMA`: SPS's intermediate table (not a
+  contract).
 """
 
 from __future__ import annotations
@@ -51,18 +31,26 @@ __all__ = [
     "LABELS_SCHEMA_NAME",
     "LABELS_V1_SCHEMA",
     "LABELS_V2_SCHEMA",
+    "LABELS_V3_SCHEMA",
     "READABLE_SCHEMA_NAMES",
     "REQUIRED_METADATA",
     "SPS_PROXIES_SCHEMA",
     "SPS_PROXIES_SCHEMA_NAME",
     "SUBSET_VALUES",
+    "LABELLING_VIEW_KEY",
+    "labelling_view",
     "labels_file_metadata",
     "labels_json_schema",
     "uid_of",
 ]
 
-LABELS_SCHEMA_NAME = "labels.v3"
-READABLE_SCHEMA_NAMES = ("labels.v1", "labels.v2", "labels.v3")  # what `read_labels` accepts
+LABELS_SCHEMA_NAME = "labels.v4"
+# what `read_labels` accepts
+READABLE_SCHEMA_NAMES = ("labels.v1", "labels.v2", "labels.v3", "labels.v4")
+# The view whose embeddings and losses made the labels (SPS: the trainee's; every other method:
+# the view itself). labels.v1-v3 wrote it under the misleading `ncl.trainee_view`.
+LABELLING_VIEW_KEY = "ncl.labelling_view"
+_OLD_LABELLING_VIEW_KEY = "ncl.trainee_view"
 SUBSET_VALUES = ("clean", "quasi_clean", "noisy")  # `subset` dictionary values
 # v2 = v1 + `caption`, `p_hat_img`, `p_hat_txt` appended (the text-direction proxy pair trains)
 SPS_PROXIES_SCHEMA_NAME = "sps_proxies.v2"
@@ -127,7 +115,13 @@ _COLUMNS: tuple[tuple[str, pa.DataType, bool, str], ...] = (
     *(_score_column(name) for name in SCORE_COLUMNS if name not in _V1_SCORES),
 )
 # Each version is a prefix of the next: its number of leading columns.
-_VERSION_COLUMNS = {"labels.v1": 15, "labels.v2": 17, "labels.v3": len(_COLUMNS)}
+# labels.v4 = labels.v3's columns; only the labelling view's metadata key changed.
+_VERSION_COLUMNS = {
+    "labels.v1": 15,
+    "labels.v2": 17,
+    "labels.v3": len(_COLUMNS),
+    "labels.v4": len(_COLUMNS),
+}
 
 REQUIRED_METADATA = (
     "ncl.schema",
@@ -154,6 +148,14 @@ def _version_schema(version: str) -> pa.Schema:
 
 LABELS_V1_SCHEMA = _version_schema("labels.v1")
 LABELS_V2_SCHEMA = _version_schema("labels.v2")
+LABELS_V3_SCHEMA = _version_schema("labels.v3")
+
+
+def labelling_view(metadata: Mapping[str, str]) -> str | None:
+    """The labelling view a label file's `ncl.*` metadata records, under the current key or the
+    one labels.v1-v3 used; None when neither is there (e.g. published a+b tables of old runs)."""
+    return metadata.get(LABELLING_VIEW_KEY, metadata.get(_OLD_LABELLING_VIEW_KEY))
+
 
 _UID_RE = re.compile(r"^[0-9a-fA-F]{32}$")
 
@@ -228,12 +230,22 @@ def labels_json_schema(version: str = LABELS_SCHEMA_NAME) -> dict[str, Any]:
     """`schemas/<version>.json`: the column list and the required file metadata.
 
     Args:
-        version: `labels.v3` (current), or `labels.v2` / `labels.v1` (its first 17 / 15
-            columns, kept for reference).
+        version: `labels.v4` (current), or an older `READABLE_SCHEMA_NAMES` entry (kept for
+            readers of old runs).
     """
     if version not in READABLE_SCHEMA_NAMES:
         raise ValueError(f"unknown label table version {version!r}; use {READABLE_SCHEMA_NAMES}")
     schema = _version_schema(version)
+    metadata = {
+        "required": list(REQUIRED_METADATA),
+        "ncl.schema": version,
+        "ncl.mixture": "JSON object: fitted mixture parameters of the label pass",
+    }
+    if version == "labels.v4":  # older versions: the same value under ncl.trainee_view
+        metadata[LABELLING_VIEW_KEY] = (
+            "the view whose embeddings and losses made the labels (SPS: the view that trains "
+            "on them; every other method: the labelled view)"
+        )
     return {
         "title": version,
         "description": (
@@ -250,9 +262,5 @@ def labels_json_schema(version: str = LABELS_SCHEMA_NAME) -> dict[str, Any]:
             for field in schema
         ],
         "subset_values": list(SUBSET_VALUES),
-        "file_metadata": {
-            "required": list(REQUIRED_METADATA),
-            "ncl.schema": version,
-            "ncl.mixture": "JSON object: fitted mixture parameters of the label pass",
-        },
+        "file_metadata": metadata,
     }

@@ -15,20 +15,9 @@ import numpy as np
 
 from pipeline.io.layout import LABELS_GENERATION_PREFIX
 
-__all__ = ["inspect_run", "label_table_metadata", "quarantine_lines"]
+__all__ = ["inspect_run", "quarantine_lines"]
 
 QUANTILES = (0.0, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
-
-
-def label_table_metadata(dataset) -> dict[str, str]:
-    """The `ncl.*` metadata of the first label file of a `read_labels` dataset."""
-    import pyarrow.parquet as pq
-
-    first = dataset.files[0]
-    filesystem = dataset.filesystem
-    with filesystem.open_input_file(first) as handle:
-        raw = pq.read_schema(handle).metadata or {}
-    return {k.decode(): v.decode() for k, v in raw.items() if k.startswith(b"ncl.")}
 
 
 def _fit_line(name: str, fit: dict[str, Any]) -> str:
@@ -119,7 +108,7 @@ def inspect_run(path: str | os.PathLike, *, view: str | None = None) -> str:
     Raises:
         pipeline.clients.read.LabelTableError: no label tables under `path`.
     """
-    from pipeline.clients.read import labels_folder_url, read_labels
+    from pipeline.clients.read import label_table_metadata, labels_folder_url, read_labels
     from pipeline.io.tables import read_json
 
     dataset = read_labels(path, view=view)

@@ -206,9 +206,8 @@ def _losses_and_mixture(
     """The losses the mixture was fitted on (at most `max_rows`), and that mixture's record."""
     import json
 
-    from pipeline.clients.read import read_labels
+    from pipeline.clients.read import label_table_metadata, read_labels
     from pipeline.io.tables import sample_rows
-    from pipeline.reporting.inspect import label_table_metadata
 
     mixture = json.loads(meta.get("ncl.mixture", "{}") or "{}")
     loss = table.column("loss").to_numpy().astype(np.float64)
@@ -524,10 +523,10 @@ def write_report(
     """
     import fsspec
 
-    from pipeline.clients.read import labels_folder_url, read_labels
+    from pipeline.clients.read import label_table_metadata, labels_folder_url, read_labels
     from pipeline.core.labels import SCORE_COLUMNS
     from pipeline.io.tables import read_json, sample_rows
-    from pipeline.reporting.inspect import _run_dir_of, label_table_metadata
+    from pipeline.reporting.inspect import _run_dir_of
     from pipeline.reporting.story import rounds_figure, story_html, summary_html
 
     plt = _pyplot()

@@ -3,7 +3,7 @@
 Contract:
 - `publish_labels(sources, shards, out_dir, ...)` reads `rounds/<r>/labels_a/<shard>.parquet` and
   `rounds/<r>/labels_b/<shard>.parquet` (same keys, same order: both come from one embeddings
-  table) and writes `out_dir/gen-<n>/<shard>.parquet` in `labels.v3`, one Ray task per shard, so
+  table) and writes `out_dir/gen-<n>/<shard>.parquet` in `labels.v4`, one Ray task per shard, so
   no per-sample data reaches the driver (except the ground-truth quality arrays of the demo).
   Only once every table and `_label_pass.json` of the new generation are written does
   `out_dir/_CURRENT` switch to it (`pipeline.io.generations`): a reader sees the previous

@@ -341,7 +341,7 @@ def _summary(spec, shards, missing, total, results, fits, partition, index_info)
     summary: dict[str, Any] = {
         "round": spec.round_index,
         "view": spec.view,
-        "trainee_view": spec.labelling_view,
+        "labelling_view": spec.labelling_view,
         "method": spec.labels.method,
         "loss": spec.labels.loss,
         "mixture_kind": spec.mixture_kind,

@@ -22,6 +22,7 @@ from pipeline.core.partition.decisions import CLEAN
 from pipeline.core.search.neighbours import NeighbourSearch
 from pipeline.io.ground_truth import quality_arrays
 from pipeline.io.labels import (
+    LABELLING_VIEW_KEY,
     LABELS_SCHEMA,
     SPS_PROXIES_SCHEMA,
     SUBSET_VALUES,
@@ -63,7 +64,7 @@ def _label_table(
             "ncl.method": spec.labels.method,
             "ncl.round": str(spec.round_index),
             "ncl.view": spec.view,
-            "ncl.trainee_view": spec.labelling_view,
+            LABELLING_VIEW_KEY: spec.labelling_view,
             "ncl.loss": spec.labels.loss,
             "ncl.shard_path": context["shard_paths"].get(shard, ""),
         },
