@@ -16,7 +16,15 @@ from cli_job import invoke_cli
 from pipeline.clients.read import labels_folder
 from pipeline.config import JobConfigError, load_job
 from pipeline.errors import RunFailedError
-from pipeline.io.admitted import ShardReference, fingerprint_change, read_reference
+from pipeline.io.admitted import (
+    SHARD_BYTES_KEY,
+    SHARD_SHA256_KEY,
+    ShardReference,
+    fingerprint_change,
+    read_embeddings_footer,
+    read_reference,
+)
+from pipeline.io.layout import STAGE_KEY_META
 from pipeline.io.shards import ShardReadError, ShardReadStats, iter_shard_records
 from pipeline.run.failures import explain_failure
 from pipeline.run.runner import run_job
@@ -111,6 +119,39 @@ def test_the_reader_fingerprints_the_bytes_it_read(clean_corpus, tmp_path):
     assert fingerprint_change(str(plain), reference, stats.size, stats.sha256) is None
     changed = fingerprint_change(str(plain), reference, stats.size + 1, "0" * 64)
     assert changed and "changed after its embed pass" in changed
+
+
+def test_the_embeddings_footer_is_read_without_the_data(tmp_path):
+    import pyarrow as pa
+
+    from pipeline.io.tables import embedding_schema
+
+    meta = {STAGE_KEY_META: "k1", SHARD_BYTES_KEY: "1234", SHARD_SHA256_KEY: "ab" * 32}
+    schema = embedding_schema(["a"], 4, {**meta, "ncl.logit_scale.a": "14.3"})
+    rows = {field.name: [] for field in schema}
+    for i in range(3):
+        rows["key"].append(f"k{i}")
+        rows["shard"].append("00000")
+        rows["url"].append(None)
+        rows["caption"].append("c")
+        rows["image_sha256"].append(None)
+        rows["uid"].append(None)
+        rows["loss_batch"].append(0)
+        for name in ("image_embedding_a", "text_embedding_a"):
+            rows[name].append([0.5] * 4)
+        for name in ("cosine_a", "loss_i2t_a", "loss_t2i_a", "loss_triplet_a"):
+            rows[name].append(0.1)
+    path = tmp_path / "00000.parquet"
+    pq.write_table(pa.table(rows, schema=schema), path)
+    footer = read_embeddings_footer(str(path))
+    assert (footer.rows, footer.stage_key, footer.shard_bytes) == (3, "k1", 1234)
+    assert footer.shard_sha256 == "ab" * 32 and footer.meta["ncl.logit_scale.a"] == "14.3"
+    reference = read_reference(str(path))  # the same footer, read with the key column
+    assert (reference.size, reference.sha256, len(reference.keys)) == (1234, "ab" * 32, 3)
+    assert read_embeddings_footer(str(tmp_path / "missing.parquet")) is None
+    pq.write_table(pa.table(rows, schema=embedding_schema(["a"], 4)), path)  # nothing recorded
+    bare = read_embeddings_footer(str(path))
+    assert (bare.stage_key, bare.shard_bytes, bare.shard_sha256) == ("", None, None)
 
 
 def test_a_worker_failure_is_one_paragraph_and_a_log_file(local_ray, tmp_path):

@@ -12,21 +12,26 @@ Contract (docs/architecture.md §4.1, "Broken, changed and repeated shards"):
 * The driver checks, before each stage that reads tars, that every shard still exists with its
   recorded size (:func:`changed_shards`, one ``stat`` per shard); a missing or resized shard is
   left out of the rest of the run and reported.
+* :func:`read_embeddings_footer` is the one reader of an embeddings table's footer (row count,
+  stage key, fingerprint, the embed pass's other `ncl.*` entries) without reading its data.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.io.layout import STAGE_KEY_META
 from pipeline.io.shard_patterns import split_source
 
 __all__ = [
     "SHARD_BYTES_KEY",
     "SHARD_SHA256_KEY",
+    "EmbeddingsFooter",
     "ShardChangedError",
     "ShardReference",
     "changed_shards",
     "fingerprint_change",
+    "read_embeddings_footer",
     "read_reference",
     "shard_size",
 ]
@@ -48,17 +53,54 @@ class ShardReference:
     sha256: str | None
 
 
+@dataclass(frozen=True)
+class EmbeddingsFooter:
+    """What an embeddings table's footer records (`rounds/<r>/embeddings/<shard>.parquet`)."""
+
+    rows: int
+    stage_key: str  # the run-state key it was embedded under; "" when none was recorded
+    shard_bytes: int | None  # the tar's size as the embed pass read it; None: not recorded
+    shard_sha256: str | None
+    meta: dict[str, str]  # every key/value entry, decoded (model ids, logit scales, ...)
+
+
+def _footer(rows: int, raw: dict[bytes, bytes] | None) -> EmbeddingsFooter:
+    meta = {k.decode(): v.decode() for k, v in (raw or {}).items()}
+    size = meta.get(SHARD_BYTES_KEY)
+    return EmbeddingsFooter(
+        rows=rows,
+        stage_key=meta.get(STAGE_KEY_META, ""),
+        shard_bytes=int(size) if size else None,
+        shard_sha256=meta.get(SHARD_SHA256_KEY) or None,
+        meta=meta,
+    )
+
+
+def read_embeddings_footer(path: str) -> EmbeddingsFooter | None:
+    """The footer of the embeddings table at `path` (local or fsspec URL; no data read), or
+    None when there is no table."""
+    import fsspec
+    import pyarrow.parquet as pq
+
+    fs, fs_path = fsspec.core.url_to_fs(path)
+    try:
+        with fs.open(fs_path, "rb") as handle:
+            metadata = pq.read_metadata(handle)
+    except FileNotFoundError:
+        return None
+    return _footer(metadata.num_rows, metadata.metadata)
+
+
 def read_reference(embeddings_path: str) -> ShardReference:
     """The admitted keys and recorded fingerprint from a round-0 embeddings table."""
     import pyarrow.parquet as pq
 
     table = pq.read_table(embeddings_path, columns=["key"])
-    meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
-    size = meta.get(SHARD_BYTES_KEY)
+    footer = _footer(table.num_rows, table.schema.metadata)
     return ShardReference(
         keys=frozenset(table.column("key").to_pylist()),
-        size=int(size) if size else None,
-        sha256=meta.get(SHARD_SHA256_KEY) or None,
+        size=footer.shard_bytes,
+        sha256=footer.shard_sha256,
     )
 
 

@@ -402,15 +402,12 @@ def _admit_shards(job, layout: RunLayout, shard_paths, embed: dict, run: _RunRec
 
 def _still_there(layout: RunLayout, shard_paths: list[str], run: _RunRecord) -> list[str]:
     """`shard_paths` less the shards missing or resized since the embed pass (reported)."""
-    import pyarrow.parquet as pq
-
-    from pipeline.io.admitted import SHARD_BYTES_KEY, changed_shards
+    from pipeline.io.admitted import changed_shards, read_embeddings_footer
 
     recorded = {}
     for path in shard_paths:
-        meta = pq.read_metadata(layout.embeddings(0, shard_name(path))).metadata or {}
-        size = meta.get(SHARD_BYTES_KEY.encode())
-        recorded[shard_name(path)] = (path, int(size) if size else None)
+        footer = read_embeddings_footer(layout.embeddings(0, shard_name(path)))
+        recorded[shard_name(path)] = (path, footer.shard_bytes if footer else None)
     changed = changed_shards(recorded)
     return _leave_out(shard_paths, changed, run)
 

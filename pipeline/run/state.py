@@ -494,18 +494,12 @@ class RunState:
 
 def table_keys(paths: Mapping[str, str]) -> dict[str, str | None]:
     """{shard: the key in its embeddings table's footer}; None when there is no table."""
-    import pyarrow.parquet as pq
-
-    from pipeline.io.tables import file_exists
+    from pipeline.io.admitted import read_embeddings_footer
 
     found: dict[str, str | None] = {}
     for shard, path in paths.items():
-        if not file_exists(path):
-            found[shard] = None
-            continue
-        meta = pq.read_schema(path).metadata or {}
-        value = meta.get(STAGE_KEY_META.encode())
-        found[shard] = value.decode() if value else ""
+        footer = read_embeddings_footer(path)
+        found[shard] = None if footer is None else footer.stage_key
     return found
 
 

@@ -26,15 +26,13 @@ def decode_options(job: JobConfig) -> DecodeOptions:
 
 def shard_sizes(layout: RunLayout, round_index: int, shard_paths: list[str]) -> dict[str, int]:
     """Usable samples per shard, from the embed pass's Parquet footers (no data read)."""
-    import pyarrow.parquet as pq
-
-    from pipeline.io.tables import file_exists
+    from pipeline.io.admitted import read_embeddings_footer
 
     sizes = {}
     for path in shard_paths:
-        table_path = layout.embeddings(round_index, shard_name(path))
-        if file_exists(table_path):
-            sizes[shard_name(path)] = pq.read_metadata(table_path).num_rows
+        footer = read_embeddings_footer(layout.embeddings(round_index, shard_name(path)))
+        if footer is not None:
+            sizes[shard_name(path)] = footer.rows
     return sizes
 
 
@@ -88,7 +86,7 @@ def warmup_spec(job: JobConfig, layout: RunLayout, shard_paths: list[str]):
         round_index=0,
         views=views,
         shard_sizes=shard_sizes(layout, 0, shard_paths),
-        mode="warmup",
+        phase="warmup",
         max_epochs=job.train.warmup_epochs,
     )
 
@@ -147,7 +145,7 @@ def coteach_spec(
         round_index=round_index,
         views=tuple(views),
         shard_sizes=sizes,
-        mode="labels",
+        phase="labels",
         max_epochs=epochs,
         coteach_epochs=((round_index - 1) * epochs, train.rounds * epochs),
     )

@@ -239,14 +239,16 @@ def _key_check(layout: RunLayout, names: list[str], scopes: list[int] | None) ->
     """One map/reduce/apply pass: by key (`scopes` None) or by pair across sources (`scopes`:
     each shard's source, not decreasing along `names`). The first shard of `names` that holds
     an identity keeps it."""
-    import pyarrow.parquet as pq
     import ray
+
+    from pipeline.io.admitted import read_embeddings_footer
 
     output = layout.output
     if not names:
         return {"duplicates": 0, "by_shard": {}, "partitions": 0}
     paths = [layout.embeddings(0, name) for name in names]
-    total = sum(pq.read_metadata(p).num_rows for p in paths)
+    footers = [read_embeddings_footer(p) for p in paths]
+    total = sum(footer.rows for footer in footers if footer is not None)
     parts = partitions_for(total, len(names))
     split = ray.remote(num_cpus=1, max_retries=3)(_split_keys)
     find = ray.remote(num_cpus=1, max_retries=3)(_find_losers)

@@ -27,6 +27,7 @@ from pipeline.core.partition.decisions import (
 )
 from pipeline.core.partition.select import select_round
 from pipeline.core.search.neighbours import image_groups
+from pipeline.io.admitted import read_embeddings_footer
 from pipeline.io.tables import embedding_matrix, read_schema, read_table
 from pipeline.stages.labels.spec import LabelSpec
 
@@ -203,7 +204,7 @@ def competitor_loss_task(spec: LabelSpec, shard: str, offset: int, neighbours) -
     from pipeline.io.tables import write_table_atomic
 
     path = spec.embeddings_path(shard)
-    metadata = {k.decode(): v.decode() for k, v in (read_schema(path).metadata or {}).items()}
+    metadata = read_embeddings_footer(path).meta
     scale = float(metadata.get(f"ncl.logit_scale.{spec.view}") or 1 / 0.07)
     table = read_table(path, _embedding_columns(spec.view))
     u = embedding_matrix(table.column(f"image_embedding_{spec.view}"))
