@@ -1,12 +1,15 @@
 """Embed-pass efficiency, as ratios measured side by side in one run (BENCHMARKS.md).
 
 Three ways to embed the same shards with the same model and batch size:
-  pipeline   our Ray Data embed pass (decode, preprocess, model, losses, Parquet write);
+  pipeline   our Ray Data embed pass (decode, preprocess, model, losses, Parquet write), once
+             per `--decode` mode (cpu: PIL in the decode threads; device: torchvision's batched
+             JPEG decode on the pass's device, which is the CPU without a GPU);
   forward    the model's forward alone on tensors decoded and tokenised beforehand;
   hand_loop  a plain webdataset + torch DataLoader loop (what clip-retrieval does), no write.
-Each is repeated; medians are reported. Prints one JSON line per figure.
+Each is repeated, the ways interleaved within a repetition; medians are reported. Prints one
+JSON line per figure.
 
-    python benchmarks/embed.py --corpus data/demo --reps 3
+    python benchmarks/embed.py --corpus data/demo --reps 3 --decode cpu device
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def emit(figure: str, **values) -> None:
 
 
 def time_pipeline(
-    shards, spec: ModelSpec, batch: int, threads: int, cpus: float, gpus: float = 0.0
+    shards, spec: ModelSpec, args, decode: str, gpus: float = 0.0
 ) -> tuple[float, float]:
     """(end-to-end pairs/s incl. actor start, steady pairs/s from per-shard busy time)."""
     from pipeline.config import EmbedConfig
@@ -49,10 +52,12 @@ def time_pipeline(
             views={"a": spec},
             seed=0,
             embed=EmbedConfig(
-                batch_size=batch,
-                decode_threads=threads,
+                batch_size=args.batch,
+                forward_batch_size=args.forward_batch or args.batch,
+                decode=decode,
+                decode_threads=args.threads,
                 concurrency=1,
-                cpus_per_worker=cpus,
+                cpus_per_worker=args.threads,
                 gpus_per_worker=gpus,
             ),
         )
@@ -75,6 +80,7 @@ def predecode(shards, loaded):
 
 
 def time_forward(loaded, pixels, tokens, batch: int) -> float:
+    """Forward-only pairs/s at the pass's forward batch."""
     started = time.perf_counter()
     for start in range(0, len(pixels), batch):
         encode_pairs(loaded, pixels[start : start + batch], tokens[start : start + batch])
@@ -105,7 +111,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--corpus", default="data/demo")
     parser.add_argument("--model", default="ncl-tiny")
-    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=256, help="loss batch (embed.batch_size)")
+    parser.add_argument(
+        "--forward-batch", type=int, default=256, help="embed.forward_batch_size (0: --batch)"
+    )
+    parser.add_argument("--decode", nargs="+", default=["cpu", "device"], help="embed.decode")
     parser.add_argument("--threads", type=int, default=2, help="torch + decode threads")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
@@ -123,45 +133,49 @@ def main() -> None:
     from pipeline.runtime.ray import init_ray
 
     init_ray(None, num_cpus=args.threads)
-    results: dict[str, list[float]] = {
-        "pipeline_e2e": [],
-        "pipeline_steady": [],
-        "forward": [],
-        "hand_loop": [],
-    }
+    results: dict[str, list[float]] = {"forward": [], "hand_loop": []}
+    gpus = 1.0 if args.device.startswith("cuda") else 0.0
     for _ in range(args.reps):
-        gpus = 1.0 if args.device.startswith("cuda") else 0.0
-        e2e, steady = time_pipeline(shards, spec, args.batch, args.threads, args.threads, gpus)
-        results["pipeline_e2e"].append(e2e)
-        results["pipeline_steady"].append(steady)
-        results["forward"].append(time_forward(loaded, pixels, tokens, args.batch))
+        for decode in args.decode:
+            e2e, steady = time_pipeline(shards, spec, args, decode, gpus)
+            results.setdefault(f"pipeline_e2e.{decode}", []).append(e2e)
+            results.setdefault(f"pipeline_steady.{decode}", []).append(steady)
+        results["forward"].append(
+            time_forward(loaded, pixels, tokens, args.forward_batch or args.batch)
+        )
         results["hand_loop"].append(time_hand_loop(shards, loaded, args.batch))
     med = {name: statistics.median(values) for name, values in results.items()}
     common = {
         "pairs": int(len(pixels)),
         "model": args.model,
         "batch": args.batch,
+        "forward_batch": args.forward_batch or args.batch,
         "reps": args.reps,
         "device": args.device,
         "precision": args.precision,
         "threads": args.threads,
+        "load_1min": round(os.getloadavg()[0], 1),  # others' work on the machine, at the end
     }
     for name, value in med.items():
         emit(f"pairs_per_s.{name}", median=round(value, 1), **common)
-    emit(
-        "embed_efficiency",
-        ratio=round(med["pipeline_steady"] / med["forward"], 3),
-        ratio_end_to_end=round(med["pipeline_e2e"] / med["forward"], 3),
-        bar=0.85,
-        **common,
-    )
-    emit(
-        "embed_vs_hand_loop",
-        ratio=round(med["pipeline_steady"] / med["hand_loop"], 3),
-        ratio_end_to_end=round(med["pipeline_e2e"] / med["hand_loop"], 3),
-        bar=1.0,
-        **common,
-    )
+    for decode in args.decode:
+        steady, e2e = med[f"pipeline_steady.{decode}"], med[f"pipeline_e2e.{decode}"]
+        emit(
+            "embed_efficiency",
+            decode=decode,
+            ratio=round(steady / med["forward"], 3),
+            ratio_end_to_end=round(e2e / med["forward"], 3),
+            bar=0.85,
+            **common,
+        )
+        emit(
+            "embed_vs_hand_loop",
+            decode=decode,
+            ratio=round(steady / med["hand_loop"], 3),
+            ratio_end_to_end=round(e2e / med["hand_loop"], 3),
+            bar=1.0,
+            **common,
+        )
 
 
 if __name__ == "__main__":

@@ -155,6 +155,19 @@ class EmbedConfig(_Section):
     decode_threads: int = Field(
         4, ge=1, description="Threads per embed worker decoding images while the model runs."
     )
+    decode: Literal["cpu", "device", "auto"] = Field(
+        "auto",
+        description="Where JPEGs are decoded and resized: cpu (PIL in the decode threads), "
+        "device (torchvision, batched, on the worker's device: nvJPEG on a GPU); auto = device "
+        "on a GPU, cpu otherwise. Pixels differ by <= 2 uint8 levels (docs/benchmarks.md).",
+    )
+    forward_batch_size: int = Field(
+        256,
+        ge=1,
+        description="Pairs per model forward in the embed pass, and per chunk decoded while the "
+        "previous one runs: speed and memory only (the loss batch is embed.batch_size); on a "
+        "GPU 1024 or more.",
+    )
     concurrency: int | Literal["auto"] = Field(
         "auto",
         description="Embed workers at a time; auto = number of GPUs, or 1 per 2 CPUs without GPUs.",

@@ -23,6 +23,7 @@ __all__ = [
     "TEXT_EXTENSIONS",
     "RawRecord",
     "Rejection",
+    "quarantine_columns",
 ]
 
 IMAGE_EXTENSIONS: tuple[str, ...] = ("jpg", "jpeg", "png", "webp")
@@ -67,3 +68,12 @@ class Rejection:
     member: str | None  # offending/expected member name, e.g. "000000001.jpg"; None if n/a
     reason: str  # one of QUARANTINE_REASONS
     detail: str  # human-readable explanation, e.g. the decoder's error text
+
+
+def quarantine_columns(rejections: list[Rejection]) -> dict[str, list]:
+    """The quarantine table's columns (`pipeline.io.tables.QUARANTINE_SCHEMA`) of `rejections`,
+    in order."""
+    return {
+        name: [getattr(r, name) for r in rejections]
+        for name in ("key", "shard", "member", "reason", "detail")
+    }

@@ -113,19 +113,20 @@ class ShardTexts:
 
     pool: ThreadPoolExecutor
     tokenizers: dict[str, Callable]  # model name -> tokenizer
+    batch: int  # texts per forward
     futures: dict[str, list[Future]] = field(default_factory=dict)
 
     def add(self, captions: list[str]) -> None:
         for name, tokenizer in self.tokenizers.items():
             self.futures.setdefault(name, []).append(self.pool.submit(tokenizer, captions))
 
-    def encode(self, name: str, loaded: LoadedClip, batch: int) -> list[torch.Tensor]:
-        """(n, D) float32 text embeddings on CPU, in forward batches of `batch`."""
+    def encode(self, name: str, loaded: LoadedClip) -> list[torch.Tensor]:
+        """(n, D) float32 text embeddings on CPU, in forward batches of `self.batch`."""
         chunks = [f.result() for f in self.futures.get(name, [])]
         if not chunks:
             return []
         tokens = torch.cat(chunks)  # (N, L)
         return [
-            encode_texts(loaded, tokens[start : start + batch]).cpu()
-            for start in range(0, len(tokens), batch)
+            encode_texts(loaded, tokens[start : start + self.batch]).cpu()
+            for start in range(0, len(tokens), self.batch)
         ]

@@ -29,7 +29,8 @@ Contract:
 
 Why a shard per call: the output is per shard (atomic, resumable, one quarantine file per
 shard) and a shard's samples stay together, so no shuffle or group-by is needed. Decoding runs
-in a thread pool inside the actor (PIL and torch release the GIL) and overlaps the model.
+in a thread pool inside the actor (PIL and torch release the GIL) and overlaps the model, a
+chunk of `embed.forward_batch_size` pairs at a time (`pipeline.models.pixels`).
 """
 
 from __future__ import annotations
@@ -63,8 +64,10 @@ from pipeline.io.clip_retrieval import (
     check_dim,
     ingest_sentence,
 )
+from pipeline.io.decode import sample_pixels, undecodable
 from pipeline.io.labels import uid_of
 from pipeline.io.layout import STAGE_KEY_META, RunLayout
+from pipeline.io.records import quarantine_columns
 from pipeline.io.shards import (
     DecodedSample,
     DecodeOptions,
@@ -79,6 +82,8 @@ from pipeline.io.shards import (
 )
 from pipeline.io.tables import QUARANTINE_SCHEMA, embedding_schema, write_table_atomic
 from pipeline.models import LoadedClip, ModelSpec, encode_pairs, load_clip
+from pipeline.models.encode import encode_images
+from pipeline.models.pixels import PixelPlan, ShardTexts, chunk_pixels, image_pixels, pixel_plan
 from pipeline.models.weights import weights_version
 from pipeline.runtime.devices import granted_device
 
@@ -141,17 +146,21 @@ class _ShardBuffers:
     ingesting: bool = False  # the shard's embeddings come from spec.source
 
 
-def _preprocess(sample: DecodedSample | Rejection, loaded: LoadedClip, lookup, prefix: str):
+def _preprocess(sample: DecodedSample | Rejection, plan: PixelPlan, lookup, prefix: str):
     """(sample, its pixels, its row in `lookup` (-1: none), why not); pixels only for the
-    pairs the model embeds."""
+    pairs the model embeds (a JPEG's bytes when the device decodes it)."""
     if isinstance(sample, Rejection):
         return sample, None, -1, ""
+    why = ""
     if lookup is not None:
-        found, why = lookup.find([sample.key.removeprefix(prefix)], [sample.caption])
+        found, reasons = lookup.find([sample.key.removeprefix(prefix)], [sample.caption])
         if found[0] >= 0:
             return sample, None, int(found[0]), ""
-        return sample, loaded.preprocess(sample.image), -1, why[0]
-    return sample, loaded.preprocess(sample.image), -1, ""
+        why = reasons[0]
+    pixels = sample_pixels(sample, lambda image: image_pixels(image, plan), plan.on_device)
+    if isinstance(pixels, Rejection):
+        return pixels, None, -1, ""
+    return sample, pixels, -1, why
 
 
 # This worker process's lookup of its last round-0 pass from embeddings (one folder at a time).
@@ -234,12 +243,12 @@ def embed_shards_on_cpu(batch: dict[str, np.ndarray], spec: EmbedSpec) -> dict[s
     return _embed_paths(batch["path"], spec, models, pool)
 
 
-def _decode_chunk(records, spec: EmbedSpec, loaded: LoadedClip, pool, lookup=(None, "")):
+def _decode_chunk(records, spec: EmbedSpec, plan: PixelPlan, pool, lookup=(None, "")):
     """Decode + preprocess a chunk of raw records on the thread pool (returns futures)."""
 
     def work(record):
-        sample = decode_record(record, spec.decode)
-        return _preprocess(sample, loaded, *lookup)
+        sample = decode_record(record, spec.decode, pixels=not plan.on_device)
+        return _preprocess(sample, plan, *lookup)
 
     return [pool.submit(work, record) for record in records]
 
@@ -264,13 +273,23 @@ def _ingest_or_encode(lookup: EmbeddingLookup, loaded: LoadedClip, images, capti
     return image_emb, text_emb
 
 
-def _embed_decoded(
-    futures, buffers: _ShardBuffers, models: dict[str, LoadedClip], lookup=None
-) -> None:
-    """Collect a decoded chunk and run every view's model on it (or read its embeddings)."""
+def _chunk_results(futures, plan: PixelPlan) -> tuple[list, torch.Tensor]:
+    """The chunk's results (device decode failures as rejections) and pixels of row < 0."""
+    results = [future.result() for future in futures]
+    need = [i for i, r in enumerate(results) if r[2] < 0 and not isinstance(r[0], Rejection)]
+    errors, batch = chunk_pixels([results[i][1] for i in need], plan)
+    for i, error in zip(need, errors, strict=True):
+        if error is not None:
+            results[i] = (undecodable(results[i][0], error), None, -1, "")
+    return results, batch
+
+
+def _embed_decoded(futures, buffers: _ShardBuffers, models, plan, texts, lookup=None) -> None:
+    """Collect a decoded chunk, run the image towers (or read embeddings), keep its texts."""
+    results, pixels = _chunk_results(futures, plan)
     images, captions, rows = [], [], []
-    for future in futures:
-        sample, image, row, why = future.result()
+    modelled = iter(pixels)  # the rows of `pixels`: the samples with row < 0, in order
+    for sample, _, row, why in results:
         if isinstance(sample, Rejection):
             buffers.rejections.append(sample)
             continue
@@ -280,7 +299,7 @@ def _embed_decoded(
         buffers.image_sha256.append(sample.image_sha256)
         buffers.uids.append(uid_of(sample.key, sample.meta.get("uid")))
         captions.append(sample.caption)
-        images.append(image)
+        images.append(next(modelled) if row < 0 else None)
         rows.append(row)
         if why:
             buffers.not_ingested[why] += 1
@@ -288,34 +307,21 @@ def _embed_decoded(
                 buffers.not_ingested_keys.append(sample.key)
     if not captions:
         return
-    pixels = torch.stack(images) if lookup is None else None  # (B, 3, H, W)
     for view, loaded in models.items():
         if lookup is not None:
             image_emb, text_emb = _ingest_or_encode(lookup, loaded, images, captions, rows)
             buffers.image_embeddings.setdefault(view, []).append(image_emb)
             buffers.text_embeddings.setdefault(view, []).append(text_emb)
             continue
-        tokens = loaded.tokenizer(captions)  # (B, L)
-        image_emb, text_emb, _ = encode_pairs(loaded, pixels, tokens)
+        image_emb = encode_images(loaded, pixels)  # (B, D)
         buffers.image_embeddings.setdefault(view, []).append(image_emb.cpu())
-        buffers.text_embeddings.setdefault(view, []).append(text_emb.cpu())
+    if lookup is None:
+        texts.add(captions)
 
 
 def _fixed_list(matrix: np.ndarray) -> pa.FixedSizeListArray:
     flat = pa.array(matrix.astype(np.float16).reshape(-1), type=pa.float16())
     return pa.FixedSizeListArray.from_arrays(flat, matrix.shape[1])
-
-
-def _quarantine_table(rejections: list[Rejection]) -> pa.Table:
-    return pa.table(
-        {
-            "key": [r.key for r in rejections],
-            "shard": [r.shard for r in rejections],
-            "member": [r.member for r in rejections],
-            "reason": [r.reason for r in rejections],
-            "detail": [r.detail for r in rejections],
-        }
-    )
 
 
 def _read_shard(
@@ -329,7 +335,9 @@ def _read_shard(
     """Stream, decode and embed one shard; only `admitted` keys when given (rounds >= 1)."""
     lookup, prefix = _shard_lookup(spec, path)
     buffers = _ShardBuffers(ingesting=lookup is not None)
-    first_model = next(iter(models.values()))
+    plan = pixel_plan(spec.embed.decode, next(iter(models.values())))
+    tokenizers = {spec.views[view].name: loaded.tokenizer for view, loaded in models.items()}
+    texts = ShardTexts(pool, tokenizers, spec.embed.forward_batch_size)
     pending = None  # futures of the chunk being decoded while the previous one is embedded
     chunk: list = []
     for item in iter_shard_records(path, stats):
@@ -339,15 +347,18 @@ def _read_shard(
             buffers.rejections.append(item)
             continue
         chunk.append(item)
-        if len(chunk) == spec.embed.batch_size:
-            futures = _decode_chunk(chunk, spec, first_model, pool, (lookup, prefix))
+        if len(chunk) == spec.embed.forward_batch_size:
+            futures = _decode_chunk(chunk, spec, plan, pool, (lookup, prefix))
             if pending is not None:
-                _embed_decoded(pending, buffers, models, lookup)
+                _embed_decoded(pending, buffers, models, plan, texts, lookup)
             pending, chunk = futures, []
-    tail = _decode_chunk(chunk, spec, first_model, pool, (lookup, prefix)) if chunk else None
+    tail = _decode_chunk(chunk, spec, plan, pool, (lookup, prefix)) if chunk else None
     for futures in (pending, tail):
         if futures is not None:
-            _embed_decoded(futures, buffers, models, lookup)
+            _embed_decoded(futures, buffers, models, plan, texts, lookup)
+    if lookup is None:
+        for view, loaded in models.items():
+            buffers.text_embeddings[view] = texts.encode(spec.views[view].name, loaded)
     return buffers
 
 
@@ -381,9 +392,8 @@ def embed_shard(
 
     n = len(buffers.keys)
     if spec.write_quarantine:
-        write_table_atomic(
-            _quarantine_table(buffers.rejections), layout.quarantine(shard), QUARANTINE_SCHEMA
-        )
+        quarantine = pa.table(quarantine_columns(buffers.rejections))
+        write_table_atomic(quarantine, layout.quarantine(shard), QUARANTINE_SCHEMA)
     if not error and not changed:
         _write_embeddings(shard, spec, models, buffers, layout, stats)
 
