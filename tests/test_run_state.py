@@ -42,8 +42,10 @@ def test_each_stage_hashes_exactly_the_keys_it_depends_on():
     embed = stage_config(job, "embed")
     assert "embed.batch_size" in embed and "model.name" in embed and "seed" in embed
     assert "embed.loss_permutations" in embed  # the losses, hence every later stage, change
-    # Resources and the shard list (decided per shard) are not part of an embed key.
+    assert "embed.decode" in embed  # the device decode's pixels differ from PIL's slightly
+    # Resources, speed-only knobs and the shard list (decided per shard) are not part of it.
     assert not {"embed.concurrency", "embed.decode_threads", "input.shards"} & set(embed)
+    assert "embed.forward_batch_size" not in embed  # rounding only (tests/test_embed_decode.py)
     warmup = stage_config(job, "warmup")
     assert "train.lr" in warmup and "train.warmup.mode" in warmup
     assert not {"train.rounds", "train.mode", "labels.method", "train.torch_threads"} & set(warmup)

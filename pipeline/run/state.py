@@ -72,6 +72,7 @@ DEPENDS_ON: dict[str, tuple[str, ...]] = {
         "model",
         "embed.batch_size",
         "embed.loss_permutations",
+        "embed.decode",  # the device decode's pixels differ from PIL's by a level or two
         "seed",
     ),
     "keys": ("input.sources",),
