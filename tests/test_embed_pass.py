@@ -250,7 +250,8 @@ def test_a_pooled_worker_reloads_a_checkpoint_rewritten_in_place(tmp_path):
     """The CPU pass's task keeps its models between calls in one worker process; a checkpoint
     rewritten at the same path (a round retrained by a rerun) must be loaded anew, not served
     from that cache. Runs the task function in this process, as a pooled worker would."""
-    from pipeline.models import ModelSpec, load_clip, save_checkpoint_state_dict
+    from pipeline.io.checkpoints import save_torch_atomic
+    from pipeline.models import ModelSpec, load_clip
     from pipeline.stages.embed import EmbedSpec, embed_shards_on_cpu
 
     summary = make_corpus(
@@ -259,8 +260,8 @@ def test_a_pooled_worker_reloads_a_checkpoint_rewritten_in_place(tmp_path):
     checkpoint = tmp_path / "model.pt"
 
     def embed_with(seed: int, output: Path) -> np.ndarray:
-        save_checkpoint_state_dict(
-            load_clip(ModelSpec("ncl-tiny", None, seed=seed)).model, checkpoint
+        save_torch_atomic(
+            load_clip(ModelSpec("ncl-tiny", None, seed=seed)).model.state_dict(), str(checkpoint)
         )
         spec = EmbedSpec(
             output=str(output),

@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+from pipeline.io.checkpoints import save_torch_atomic
 from pipeline.models import (
     LoadedClip,
     ModelLoadError,
@@ -23,7 +24,6 @@ from pipeline.models import (
     list_builtin_configs,
     load_clip,
     resolve_device,
-    save_checkpoint_state_dict,
 )
 from pipeline.models import spec as spec_mod
 
@@ -158,7 +158,7 @@ def test_encode_pairs_clamps_scale_and_checks_shapes(tiny):
 
 def test_checkpoint_roundtrip_gives_identical_outputs(tiny, tmp_path):
     ckpt = tmp_path / "nested" / "tiny.pt"
-    save_checkpoint_state_dict(tiny.model, ckpt)
+    save_torch_atomic(tiny.model.state_dict(), str(ckpt))
     assert ckpt.is_file()
     assert [p.name for p in ckpt.parent.iterdir()] == ["tiny.pt"]  # no temp file left behind
 
@@ -204,7 +204,7 @@ def test_wrong_architecture_checkpoint_names_key_counts(tmp_path):
     cfg["vision_cfg"]["layers"] = 3  # one extra vision block -> unexpected keys
     deeper = open_clip.CLIP(**cfg)
     path = tmp_path / "deeper.pt"
-    save_checkpoint_state_dict(deeper, path)
+    save_torch_atomic(deeper.state_dict(), str(path))
     with pytest.raises(ModelLoadError, match=r"0 missing keys .* \d+ unexpected keys"):
         load_clip(ModelSpec(TINY, str(path)), device="cpu")
 
@@ -212,7 +212,7 @@ def test_wrong_architecture_checkpoint_names_key_counts(tmp_path):
     cfg["embed_dim"] = 64  # same keys, other shapes
     narrower = open_clip.CLIP(**cfg)
     path = tmp_path / "narrower.pt"
-    save_checkpoint_state_dict(narrower, path)
+    save_torch_atomic(narrower.state_dict(), str(path))
     with pytest.raises(ModelLoadError, match="other shapes"):
         load_clip(ModelSpec(TINY, str(path)), device="cpu")
 
@@ -447,7 +447,7 @@ def test_cuda_matches_cpu(tiny, precision):
 def test_cuda_checkpoint_loads_on_cpu(tmp_path):
     on_gpu = load_clip(ModelSpec(TINY, None, seed=3), device="cuda")
     path = tmp_path / "gpu.pt"
-    save_checkpoint_state_dict(on_gpu.model, path)
+    save_torch_atomic(on_gpu.model.state_dict(), str(path))
     on_cpu = load_clip(ModelSpec(TINY, str(path)), device="cpu")
     assert _weights_equal(on_cpu.model, load_clip(ModelSpec(TINY, None, seed=3), "cpu").model)
 

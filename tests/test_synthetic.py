@@ -87,7 +87,7 @@ def test_layout_files_and_summary(corpus):
     assert corpus.counts == {"clean": 30, "partial": 6, "mismatched": 24}  # floor(0.4*60) etc.
     assert corpus.corrupt == 0 and set(corpus.corrupt_counts) == set(CORRUPT_MODES)
     # No temp files left behind.
-    assert not list(out.rglob("*.tmp"))
+    assert not list(out.rglob("*.tmp*"))
 
 
 def test_tar_members_keys_and_json(corpus):

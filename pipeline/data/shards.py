@@ -4,8 +4,8 @@ Contract (part of :mod:`pipeline.data.synthetic`): :func:`write_shard` writes, p
 this order, ``{key}.jpg``, ``{key}.txt`` and ``{key}.json`` members with fixed tar headers, so the
 bytes depend only on the samples and their images; the Parquet table has
 ``IMG2DATASET_SCHEMA``. A sample's ``corrupt`` mode damages its members as written (the json
-and Parquet ``sha256`` stay the hash of the intact JPEG). Files are written under a ``.tmp``
-name and renamed.
+and Parquet ``sha256`` stay the hash of the intact JPEG). Files are written through
+:func:`pipeline.io.tables.open_atomic` (a temporary name, then a rename).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import tarfile
 import time
 from collections.abc import Iterable, Sequence
@@ -23,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.data.noise import CORRUPT_MODES, Sample
+from pipeline.io.tables import open_atomic
 
 __all__ = ["IMG2DATASET_SCHEMA", "write_shard"]
 
@@ -90,8 +90,10 @@ def write_shard(
     start = time.time()
     rows = []
     tar_path = directory / f"{shard}.tar"
-    tmp = directory / f"{shard}.tar.tmp"
-    with tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT) as tar:
+    with (
+        open_atomic(tar_path) as handle,
+        tarfile.open(fileobj=handle, mode="w", format=tarfile.USTAR_FORMAT) as tar,
+    ):
         for sample, jpg in zip(samples, jpegs, strict=True):
             caption = "" if sample.corrupt == "empty_caption" else sample.noisy_caption
             meta = {
@@ -113,12 +115,10 @@ def write_shard(
             if txt_bytes is not None:
                 _add_member(tar, f"{sample.key}.txt", txt_bytes)
             _add_member(tar, f"{sample.key}.json", json.dumps(meta, indent=4).encode("utf-8"))
-    os.replace(tmp, tar_path)
 
     table = pa.Table.from_pylist(rows, schema=IMG2DATASET_SCHEMA)
-    tmp = directory / f"{shard}.parquet.tmp"
-    pq.write_table(table, tmp)
-    os.replace(tmp, directory / f"{shard}.parquet")
+    with open_atomic(directory / f"{shard}.parquet") as handle:
+        pq.write_table(table, handle)
 
     end = time.time()
     stats = {
@@ -131,7 +131,6 @@ def write_shard(
         "end_time": end,
         "status_dict": {"success": len(samples)},
     }
-    tmp = directory / f"{shard}_stats.json.tmp"
-    tmp.write_text(json.dumps(stats, indent=4))
-    os.replace(tmp, directory / f"{shard}_stats.json")
+    with open_atomic(directory / f"{shard}_stats.json", "w") as handle:
+        handle.write(json.dumps(stats, indent=4))
     return tar_path

@@ -99,6 +99,7 @@ from pipeline.data.web_noise import (
     noise_type_counts,
     render_jpeg,
 )
+from pipeline.io.tables import TEMP_SUFFIX, open_atomic
 
 __all__ = [
     "ATTRIBUTES",
@@ -140,7 +141,7 @@ _STREAM_WEB_PAGES, _STREAM_WEB_NOISE, _STREAM_WEB_PIXELS, _STREAM_TEACHER = 5, 6
 NOISE_MODELS: tuple[str, ...] = ("ncr", "web", "teacher")
 _SPLIT_TRAIN, _SPLIT_TEST, _SPLIT_VAL = 0, 1, 2
 
-_SHARD_FILE = re.compile(r"^\d{5}(\.tar|\.parquet|_stats\.json)(\.tmp)?$")
+_SHARD_FILE = re.compile(rf"^\d{{5}}(\.tar|\.parquet|_stats\.json)({TEMP_SUFFIX})?$")
 
 GROUND_TRUTH_SCHEMA = pa.schema(
     [
@@ -226,9 +227,8 @@ def _write_ground_truth(path: Path, samples: Sequence[Sample | WebSample], param
         {**base_schema.metadata, b"ncl.make_corpus": json.dumps(params, sort_keys=True)}
     )
     table = pa.table(columns, schema=schema)
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    with open_atomic(path) as handle:
+        pq.write_table(table, handle)
 
 
 def _ncr_jpegs(chunk: Sequence[Sample], image_size: int, rng: np.random.Generator):

@@ -4,13 +4,17 @@ Contract:
 - Every table is written with an explicit `pyarrow.Schema` (never inferred).
 - `write_table_atomic` writes to a temporary name beside the target and renames it, so a file
   under its final name is always complete: its presence is the completion marker that reruns
-  use to skip work. A crash leaves only `*.tmp-*` debris, which reruns overwrite.
+  use to skip work. `open_atomic` is the one atomic writer (tables, JSON, checkpoints, copies,
+  the synthetic corpus); its temporary names are `<name>.tmp-<8 hex>` (`TEMP_SUFFIX`), so a
+  crash leaves only such debris, which reruns overwrite.
 - The quarantine table (docs/architecture.md §4.3) has `key, shard, member, reason` (+ `detail`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import uuid
 from collections.abc import Mapping, Sequence
 
@@ -22,6 +26,8 @@ import pyarrow.parquet as pq
 __all__ = [
     "sample_rows",
     "QUARANTINE_SCHEMA",
+    "TEMP_SUFFIX",
+    "open_atomic",
     "embedding_matrix",
     "embedding_schema",
     "read_schema",
@@ -98,25 +104,26 @@ def remove_path(path: str) -> None:
         fs.rm(fs_path, recursive=True)
 
 
-def open_atomic(path: str, mode: str = "wb"):
-    """Context manager: write to a temporary name beside `path`, rename to `path` on success.
+# A temporary file's name is its target's plus this suffix (regular expression): what a
+# folder's owner may recognise as its own debris.
+TEMP_SUFFIX = r"\.tmp-[0-9a-f]{8}"
+
+
+@contextlib.contextmanager
+def open_atomic(path: str | os.PathLike[str], mode: str = "wb"):
+    """Context manager: write to a temporary name beside `path` (local or fsspec URL; parent
+    folders are made), rename it to `path` on success.
 
     A file under its final name is therefore always complete; a crash leaves `*.tmp-*` debris.
     """
-    import contextlib
-
-    @contextlib.contextmanager
-    def _writer():
-        fs, fs_path = fsspec.core.url_to_fs(path)
-        parent = fs_path.rsplit("/", 1)[0] if "/" in fs_path else ""
-        if parent:
-            fs.makedirs(parent, exist_ok=True)
-        tmp_path = f"{fs_path}.tmp-{uuid.uuid4().hex[:8]}"
-        with fs.open(tmp_path, mode) as handle:
-            yield handle
-        fs.mv(tmp_path, fs_path)
-
-    return _writer()
+    fs, fs_path = fsspec.core.url_to_fs(os.fspath(path))
+    parent = fs_path.rsplit("/", 1)[0] if "/" in fs_path else ""
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    tmp_path = f"{fs_path}.tmp-{uuid.uuid4().hex[:8]}"
+    with fs.open(tmp_path, mode) as handle:
+        yield handle
+    fs.mv(tmp_path, fs_path)
 
 
 def write_table_atomic(table: pa.Table, path: str, schema: pa.Schema) -> None:

@@ -10,7 +10,6 @@ from pipeline.models.clip import (
     load_clip,
     load_transforms,
     resolve_device,
-    save_checkpoint_state_dict,
 )
 
 __all__ = [
@@ -23,5 +22,4 @@ __all__ = [
     "load_clip",
     "load_transforms",
     "resolve_device",
-    "save_checkpoint_state_dict",
 ]

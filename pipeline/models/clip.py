@@ -37,7 +37,7 @@ from pipeline.models.spec import (
     ModelSpec,
     list_builtin_configs,
 )
-from pipeline.models.weights import check_weights_available, save_checkpoint_state_dict
+from pipeline.models.weights import check_weights_available
 
 __all__ = [
     "CHECKPOINT_SUFFIXES",
@@ -53,5 +53,4 @@ __all__ = [
     "load_clip",
     "load_transforms",
     "resolve_device",
-    "save_checkpoint_state_dict",
 ]

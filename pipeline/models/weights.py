@@ -11,18 +11,15 @@ Contract (part of :mod:`pipeline.models.clip`):
   (docs/architecture.md §4.1): a file that needs arbitrary unpickling is refused, never
   executed. :func:`read_state_dict` unwraps the common container layouts and wrapper prefixes;
   :func:`load_state_dict_strict` fits them or explains why they do not fit.
-* :func:`save_checkpoint_state_dict` writes atomically, in a form :func:`read_state_dict` reads.
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import hashlib
 import os
 import pickle
 import re
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +29,7 @@ import torch
 from open_clip import constants as _oc_constants
 from open_clip import pretrained as _oc_pretrained
 
+from pipeline.io.tables import open_atomic
 from pipeline.models.spec import (
     CHECKPOINT_SUFFIXES,
     PRECISIONS,
@@ -49,7 +47,6 @@ __all__ = [
     "file_sha256",
     "load_state_dict_strict",
     "read_state_dict",
-    "save_checkpoint_state_dict",
     "weights_version",
 ]
 
@@ -364,11 +361,9 @@ def local_copy(url: str) -> str:
     folder = Path(tempfile.gettempdir()) / "ncl-checkpoints"
     folder.mkdir(parents=True, exist_ok=True)
     dest = folder / f"{digest}-{os.path.basename(url)}"
-    tmp = dest.with_name(f"{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
-    with fsspec.open(url, "rb") as src, open(tmp, "wb") as out:
+    with fsspec.open(url, "rb") as src, open_atomic(dest) as out:
         for block in iter(lambda: src.read(1 << 20), b""):
             out.write(block)
-    os.replace(tmp, dest)
     return str(dest)
 
 
@@ -405,8 +400,7 @@ def read_state_dict(path: str, spec: ModelSpec) -> dict[str, torch.Tensor]:
                 f"Checkpoint {path!r} for model {spec.name!r} was refused: it holds pickled "
                 f"Python objects, not just tensors ({reason}), and checkpoints are only read "
                 "with torch.load(weights_only=True). Re-save it as a plain state dict, e.g. "
-                "torch.save(model.state_dict(), path) or "
-                "pipeline.models.save_checkpoint_state_dict."
+                "torch.save(model.state_dict(), path)."
             ) from exc
         raise ModelLoadError(
             f"Checkpoint {path!r} for model {spec.name!r} could not be read ({reason}); it is "
@@ -469,30 +463,3 @@ def load_state_dict_strict(
             f"have other shapes (e.g. {mismatches[:3]}). It was saved from a differently sized "
             "config; set model.name to the one it was trained with."
         ) from exc
-
-
-def save_checkpoint_state_dict(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
-    """Writes ``model.state_dict()`` atomically (temp file + fsync + rename).
-
-    Tensors are moved to CPU first so the file loads on any machine. A reader sees either the
-    old file or the complete new one, never a partial write (docs/architecture.md §4.1). The
-    result loads with
-    ``torch.load(weights_only=True)`` and therefore with :func:`load_clip`.
-
-    Args:
-        model: Any module (a DDP/compiled wrapper is fine: its prefixes are stripped on load).
-        path: Destination file; parent folders are created.
-    """
-    dest = Path(path)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            torch.save(state, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, dest)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()

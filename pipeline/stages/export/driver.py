@@ -36,7 +36,7 @@ import pyarrow as pa
 
 from pipeline.errors import UserError
 from pipeline.io.labels import READABLE_SCHEMA_NAMES, SUBSET_VALUES, uid_of
-from pipeline.io.tables import open_atomic, read_json, write_json_atomic
+from pipeline.io.tables import TEMP_SUFFIX, open_atomic, read_json, write_json_atomic
 
 __all__ = [
     "FORMATS",
@@ -72,7 +72,7 @@ KEYS_SCHEMA = pa.schema(
 # Files an export writes: what `overwrite` may remove.
 _OURS = re.compile(
     r"^(\d+\.tar|\d+_stats\.json|sizes\.json|uids\.npy|keys\.parquet|_export(_plan)?\.json|"
-    r"_parts)(\.tmp-[0-9a-f]+)?$"
+    rf"_parts)({TEMP_SUFFIX})?$"
 )
 
 
