@@ -97,7 +97,7 @@ def train_spec(corpus, output: str, *, views, mode, epochs, select, batch, lr) -
         shards=tuple(str(p) for p in corpus.shards),
         shard_sizes=sizes,
         test_shards=tuple(str(p) for p in corpus.test_shards),
-        mode=mode,
+        round_kind=mode,
         max_epochs=epochs,
         train=TrainConfig.model_validate(
             {

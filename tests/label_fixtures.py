@@ -140,3 +140,33 @@ def write_blob_run(
         "u": u,
         "v": v,
     }
+
+
+def truth_quality(keys, scores, ground_truth: str, clean_subset=None) -> dict:
+    """`label_quality` of per-pair `scores` (aligned with `keys`) against a corpus's
+    `ground_truth.parquet` (key, kind, degree), pairs without a truth row left out: the
+    quality a label pass with `eval.ground_truth` reports for that score.
+
+    Args:
+        keys: (N,) sample keys; scores: (N,) float; clean_subset: (N,) bool or None.
+    """
+    from pipeline.core.metrics import label_quality
+
+    truth = {
+        row["key"]: row
+        for row in pq.read_table(ground_truth, columns=["key", "kind", "degree"]).to_pylist()
+    }
+    rows = [i for i, key in enumerate(keys) if key in truth]
+    kind = np.array([truth[keys[i]]["kind"] for i in rows])
+    degree = np.array([truth[keys[i]]["degree"] for i in rows], np.float32)
+    subset = None if clean_subset is None else np.asarray(clean_subset)[rows]
+    return label_quality(np.asarray(scores, np.float32)[rows], kind, degree, subset)
+
+
+def table_quality(table, ground_truth: str, column: str, with_subset: bool = False) -> dict:
+    """`truth_quality` of one column of a label table (its `subset == "clean"` as the clean
+    subset when `with_subset`)."""
+    keys = table.column("key").to_pylist()
+    scores = table.column(column).to_numpy(zero_copy_only=False)
+    subset = np.array(table.column("subset").to_pylist()) == "clean" if with_subset else None
+    return truth_quality(keys, scores, ground_truth, subset)

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from label_fixtures import table_quality
 from log_capture import console_output
 
 from pipeline.clients.read import read_labels
@@ -79,9 +80,12 @@ def test_each_round_writes_both_views_tables_and_trains(sps_run):
     for r in ("1", "2"):  # round 1 trains; round 2 labels the final models
         for view in ("a", "b"):
             assert len(list((out / "rounds" / r / f"labels_{view}").glob("*.parquet"))) == 3
-            assert rounds[r][f"labels_{view}"]["quality"]["sps"]["auroc"] is not None
+            reported = rounds[r][f"labels_{view}"]["quality"]["sps"]["auroc"]
+            table = read_labels(out / "rounds" / r / f"labels_{view}").to_table()
+            truth = sps_run["job"].eval.ground_truth
+            assert reported == pytest.approx(table_quality(table, truth, "soft_label")["auroc"])
     train = rounds["1"]["train"]
-    assert set(train["views"]) == {"A", "B"} and train["mode"] == "labels"
+    assert set(train["views"]) == {"A", "B"} and train["round_kind"] == "labels"
     assert set(rounds["1"]["retrieval"]) == {"A", "B", "A+B"}
     assert (out / "rounds" / "1" / "checkpoints" / "A" / "model.pt").exists()
     assert "train" not in rounds["2"]

@@ -53,11 +53,11 @@ def minmax(losses: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 
 
-def exact_bmm(x: np.ndarray, max_iters: int = 10) -> dict:
+def exact_bmm(x: np.ndarray, max_iter: int = 10) -> dict:
     """BetaMixture1D on every sample, with the docs/methods.md §2.3 floors, clamps and guard."""
     x = np.clip(x, 1e-4, 1 - 1e-4)
     a, b, pi = np.array([1.0, 2.0]), np.array([2.0, 1.0]), np.array([0.5, 0.5])
-    for _ in range(max_iters):
+    for _ in range(max_iter):
         r = np.stack([pi[k] * stats.beta.pdf(x, a[k], b[k]) for k in range(2)])
         r[r <= 1e-12] = 1e-12
         r /= r.sum(axis=0)

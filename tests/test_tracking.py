@@ -33,7 +33,7 @@ def read_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
 def _message(**changes) -> dict:
     message = {
         "round": 1,
-        "mode": "labels",
+        "round_kind": "labels",
         "view": "A",
         "epoch": 0,
         "max_epochs": 2,
@@ -59,7 +59,7 @@ def test_the_epoch_line_counts_from_one_and_names_each_loss():
     assert "objective weighted InfoNCE 2.125" in line and "mean pair weight 0.62" in line
     assert "validation rSum 123.5" in line
     # A warm-up on plain InfoNCE minimises the same number it shows: shown once.
-    warm = epoch_line(_message(mode="warmup", objective_name="InfoNCE", stop="patience"))
+    warm = epoch_line(_message(round_kind="warmup", objective_name="InfoNCE", stop="patience"))
     assert "objective" not in warm and "pair weight" not in warm and warm.endswith("stop: patience")
 
 

@@ -45,7 +45,7 @@ def _spec(corpus, output: Path, **changes) -> TrainSpec:
         shards=tuple(str(p) for p in corpus.shards),
         shard_sizes={shard_name(str(p)): 160 for p in corpus.shards},
         test_shards=tuple(str(p) for p in corpus.test_shards),
-        mode="warmup",
+        round_kind="warmup",
         max_epochs=4,
         train=TrainConfig.model_validate(
             {

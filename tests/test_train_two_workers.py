@@ -64,7 +64,7 @@ def _specs(corpus: Path, output: Path):
         shard_sizes={shard_name(p): 64 for p in shards},
         val_shards=(str(corpus / "val" / "00000.tar"),),
         train=train,
-        mode="warmup",
+        round_kind="warmup",
         max_epochs=MAX_WARMUP_EPOCHS,
     )
     return warmup, views
@@ -120,7 +120,7 @@ def _train(corpus: Path, output: Path) -> None:
     coteach = dataclasses.replace(
         warmup,
         round_index=1,
-        mode="labels",
+        round_kind="labels",
         max_epochs=1,
         coteach_epochs=(0, 1),
         views=tuple(

@@ -86,7 +86,7 @@ def warmup_spec(job: JobConfig, layout: RunLayout, shard_paths: list[str]):
         round_index=0,
         views=views,
         shard_sizes=shard_sizes(layout, 0, shard_paths),
-        phase="warmup",
+        round_kind="warmup",
         max_epochs=job.train.warmup_epochs,
     )
 
@@ -145,7 +145,7 @@ def coteach_spec(
         round_index=round_index,
         views=tuple(views),
         shard_sizes=sizes,
-        phase="labels",
+        round_kind="labels",
         max_epochs=epochs,
         coteach_epochs=((round_index - 1) * epochs, train.rounds * epochs),
     )

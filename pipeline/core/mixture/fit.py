@@ -1,31 +1,19 @@
 """Two-component loss mixtures (BMM, GMM) fitted on a histogram (docs/methods.md §2): pure numpy.
 
 Contract:
-- The fit never sees per-sample data. It runs on a `LossHistogram`, so one EM iteration costs
-  O(bins) whatever the corpus size, and a corpus split over many workers is fitted in two passes:
-  1. every worker calls `histogram_range` on its losses; the driver folds the pairs with
-     `merge_ranges` (min/max merge exactly);
-  2. every worker calls `build_histogram(losses, lo, hi)` with that global range; the driver folds
-     the results with `merge_histograms` (integer counts add exactly) and calls `fit_bmm` or
-     `fit_gmm` (or `MIXTURES[kind]`) once.
-  `clean_posterior(fit, losses)` then runs on each worker again, per sample and exactly.
-  The histogram half lives in `pipeline.core.mixture.histogram` (re-exported here).
-- Normalisation is global min-max with a floor on the range (docs/methods.md §2.2):
-  x = (loss - lo) / max(hi - lo, 1e-12 * max(1, |hi|)). When the range is below that floor (all
-  losses equal, or a single sample; also a histogram with fewer than two occupied bins) the fit
-  is skipped, the result carries `no_spread=True` and every finite loss gets clean probability
-  1. Arazo's 5/95 percentile trimming is not implemented: it needs a quantile sketch across
-  shards and measured worse at 60-80 % noise.
-- Non-finite losses (NaN, +-inf; docs/methods.md §1.5) never enter a histogram; they are counted in
-  `n_nonfinite`, and `clean_posterior` returns NaN for them so the caller records the reason.
-  For finite input the posterior is always finite and in [0, 1].
-- BMM follows the BetaMixture1D reference (10 iterations, init a=(1,2), b=(2,1), pi=(.5,.5),
-  clamp to [1e-4, 1-1e-4], responsibilities floored at 1e-12, weighted method of moments) with
-  the [I] fixes: variance floor, shape clamps, collapse guard, clean component by mean, posterior
-  on the clamped x, and a monotone clean posterior. GMM follows sklearn's EM for
-  `GaussianMixture(2, max_iter=10, tol=1e-2, reg_covar=5e-4)` but starts deterministically from
-  the optimal 2-means split of the histogram.
-- The clean component is always the one with the smaller mean, whatever its index.
+- The fit never sees per-sample data: it runs on a `LossHistogram` (O(bins) per EM iteration
+  whatever the corpus), built in two passes over the workers (`histogram_range` + `merge_ranges`,
+  then `build_histogram` + `merge_histograms`, both exact; docs/methods.md §2.1), and fitted once
+  by `fit_bmm` / `fit_gmm` (or `MIXTURES[kind]`). `clean_posterior(fit, losses)` then runs per
+  sample on each worker. The histogram half lives in `pipeline.core.mixture.histogram`.
+- Normalisation is global min-max with a floor on the range (§2.2); below it (all losses equal,
+  one sample, fewer than two occupied bins) the fit is skipped, `no_spread=True`, and every
+  finite loss is clean with probability 1.
+- Non-finite losses never enter a histogram (`n_nonfinite`); `clean_posterior` returns NaN for
+  them. For finite input the posterior is finite and in [0, 1].
+- BMM follows the BetaMixture1D reference with the fixes of §2.3; GMM follows sklearn's EM for
+  `GaussianMixture(2, max_iter=10, tol=1e-2, reg_covar=5e-4)` from a deterministic 2-means start.
+  The clean component is always the one with the smaller mean.
 """
 
 from __future__ import annotations
@@ -223,7 +211,7 @@ def _bmm_moments(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _bmm_em(
     x: np.ndarray,
     counts: np.ndarray,
-    max_iters: int,
+    max_iter: int,
     init: tuple[Sequence[float], Sequence[float], Sequence[float]],
 ) -> dict[str, Any]:
     """BetaMixture1D EM on values x (M,) with multiplicities counts (M,)."""
@@ -233,7 +221,7 @@ def _bmm_em(
     n = counts.sum()
     trace = []
     iterations, collapsed = 0, False
-    for _ in range(max_iters):
+    for _ in range(max_iter):
         log_joint = np.log(pi)[:, None] + _beta_logpdf(x, a, b)  # (2, M)
         trace.append(float(counts @ logsumexp(log_joint, axis=0)) / n)
         # The reference works in linear space and floors pi_k * Beta(x) at 1e-12; exp of the
@@ -268,20 +256,20 @@ def _bmm_em(
 
 def fit_bmm(
     hist: LossHistogram,
-    max_iters: int = 10,
+    max_iter: int = 10,
     *,
     monotone: bool = True,
     init: tuple[Sequence[float], Sequence[float], Sequence[float]] | None = None,
 ) -> MixtureFit:
     """Binned two-component Beta mixture, BetaMixture1D with the fixes of docs/methods.md §2.3.
 
-    Bin centres are clamped to [1e-4, 1 - 1e-4]; exactly `max_iters` EM iterations run (no
+    Bin centres are clamped to [1e-4, 1 - 1e-4]; exactly `max_iter` EM iterations run (no
     convergence test, as the reference: more iterations can merge the components) unless the
-    collapse guard stops earlier. Cost O(bins * max_iters).
+    collapse guard stops earlier. Cost O(bins * max_iter).
 
     Args:
         hist: merged histogram of the whole corpus.
-        max_iters: EM iterations (reference: 10).
+        max_iter: EM iterations (reference: 10).
         monotone: let `clean_posterior` enforce a clean posterior non-increasing in loss past
             its peak (default on, docs/methods.md §2.5).
         init: ((a0, a1), (b0, b1), (pi0, pi1)); default the reference's ((1, 2), (2, 1),
@@ -298,7 +286,7 @@ def fit_bmm(
     x = np.clip(hist.centres, BMM_CLAMP, 1.0 - BMM_CLAMP)
     counts = hist.counts.astype(np.float64)
     keep = counts > 0  # empty bins add nothing to any sum; skipping them is exact and faster
-    result = _bmm_em(x[keep], counts[keep], max_iters, init or ((1.0, 2.0), (2.0, 1.0), (0.5, 0.5)))
+    result = _bmm_em(x[keep], counts[keep], max_iter, init or ((1.0, 2.0), (2.0, 1.0), (0.5, 0.5)))
     a, b, pi = result["a"], result["b"], result["pi"]
     means = a / (a + b)
     variances = a * b / ((a + b) ** 2 * (a + b + 1.0))

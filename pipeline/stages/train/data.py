@@ -393,7 +393,7 @@ def read_training_batches(
 def epoch_phase(spec: TrainSpec, view: ViewSpec, epoch: int) -> Phase:
     """The co-teaching subsets of this run's `epoch` (every subset outside co-teaching)."""
     before, total = spec.coteach_epochs
-    if spec.mode != "labels" or total == 0:
+    if spec.round_kind != "labels" or total == 0:
         return Phase(noisy=True, quasi_clean=True)
     return coteach_phase(
         before + epoch,

@@ -136,13 +136,14 @@ def run_training(spec: TrainSpec) -> dict:
             f"more than the {usable} usable samples can fill once; lower train.batch_size"
         )
     logger.info(
-        f"train: round {spec.round_index} ({spec.mode}), views "
+        f"train: round {spec.round_index} ({spec.round_kind}), views "
         f"{', '.join(v.name for v in spec.views)}, {spec.train.workers} worker(s), "
         f"{'GPU' if spec.use_gpu else 'CPU'}, up to {spec.max_epochs} epochs"
     )
     from pipeline.runtime.progress import ProgressBoard, follow_board
 
-    remove_path(layout.train_error(spec.round_index))  # an earlier run's, since fixed
+    # An earlier attempt's error file is stale once the round runs again.
+    remove_path(layout.train_error(spec.round_index))
     board = ProgressBoard.start()
     bars = _EpochBars()
     try:

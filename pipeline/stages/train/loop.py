@@ -91,7 +91,7 @@ def _label_loss(
 
 def objective_name(spec: TrainSpec, selecting: bool) -> str:
     """What the optimiser minimises in a step of `spec` (the console and tracker name it)."""
-    if spec.mode == "labels":
+    if spec.round_kind == "labels":
         name = {"weighted_infonce": "weighted InfoNCE"}.get(
             spec.train.label_loss, "soft-margin triplet"
         )
@@ -105,7 +105,7 @@ def objective_name(spec: TrainSpec, selecting: bool) -> str:
 def _step_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, batch, selecting: bool):
     """The training objective of one batch: (loss, plain InfoNCE for logs, whether the loss
     trains the temperature)."""
-    if spec.mode == "labels":
+    if spec.round_kind == "labels":
         loss = _label_loss(
             spec,
             image_emb,
@@ -121,7 +121,7 @@ def _step_loss(spec: TrainSpec, image_emb, text_emb, logit_scale, batch, selecti
         trained = spec.train.label_loss == "weighted_infonce"
         return loss, (0.5 * (loss_i2t + loss_t2i)).mean(), trained
     # The temperature is shared by every pair: trained on the easiest 30% alone it grows until
-    # the other pairs' losses blow up (measured: InfoNCE 3.7 -> 7.2 in one epoch).
+    # the other pairs' losses blow up (docs/methods.md §10.2).
     scale = logit_scale.detach() if selecting else logit_scale
     loss_i2t, loss_t2i = infonce_per_sample(image_emb, text_emb, scale)
     plain = 0.5 * (loss_i2t + loss_t2i)  # (B,)
@@ -160,8 +160,8 @@ class _ViewTrainer:
             lr=spec.train.lr,
             betas=(0.9, 0.98),
             eps=1e-6,
-            # One kernel over all parameters instead of a loop of small ops per tensor: on
-            # ncl-tiny (7.3M parameters, 2 CPU threads) a step took 28 ms, now 4.5 ms.
+            # One kernel over all parameters instead of a loop of small ops per tensor, several
+            # times faster on CPU (docs/development.md).
             fused=device.type in ("cpu", "cuda"),
         )
         self.total_steps, self.step_offset = total_steps, step_offset
@@ -225,7 +225,7 @@ class _ViewTrainer:
     def train_step(self, batch: dict, device: torch.device) -> float:
         spec = self.spec
         selecting = (
-            spec.mode == "warmup"
+            spec.round_kind == "warmup"
             and (spec.train.warmup.mode == "select")
             and self.warmup.left_plateau
             and not (spec.train.warmup.first_epoch_all and self.epoch == 0)
@@ -243,7 +243,7 @@ class _ViewTrainer:
             "weight": batch["weight"].to(device, non_blocking=True),  # (B,)
             "reliable": batch["reliable"].to(device, non_blocking=True),  # (B,)
         }
-        if spec.mode == "labels":  # (B, B) rows that share an image or a text source
+        if spec.round_kind == "labels":  # (B, B) rows that share an image or a text source
             targets["co_positives"] = co_positive_mask(
                 batch["image_group"].to(device), batch["text_group"].to(device)
             )
@@ -405,7 +405,7 @@ def _agree_on_stops(active: list[_ViewTrainer], device: torch.device) -> None:
 
 
 def _epoch_name(spec: TrainSpec, epoch: int) -> str:
-    stage = "warm-up" if spec.mode == "warmup" else f"co-teaching round {spec.round_index}"
+    stage = "warm-up" if spec.round_kind == "warmup" else f"co-teaching round {spec.round_index}"
     return f"{stage} epoch {epoch + 1}/{spec.max_epochs}"
 
 
@@ -509,7 +509,7 @@ def epoch_line(message: dict) -> str:
     )
     if message["objective_name"] != "InfoNCE":
         line += f", objective {message['objective_name']} {message['objective']:.3f}"
-    if message["mode"] == "labels":
+    if message["round_kind"] == "labels":
         line += f", mean pair weight {message['mean_weight']:.2f}"
     if message["val_rsum"] is not None:
         line += f", validation rSum {message['val_rsum']:.1f}"
@@ -522,7 +522,7 @@ def _end_epoch(spec, t: _ViewTrainer, epoch: int, rsum, seen, seconds, rank, boa
     leave the epoch's numbers for the driver (its console line and tracker)."""
     record = _epoch_record(t, epoch, rsum, seen, seconds)
     t.history.append(record)
-    if spec.mode == "warmup":
+    if spec.round_kind == "warmup":
         warm = spec.train.warmup
         t.warmup = update_warmup(
             t.warmup,
@@ -543,13 +543,13 @@ def _end_epoch(spec, t: _ViewTrainer, epoch: int, rsum, seen, seconds, rank, boa
     t.new_epoch()
     if rank == 0:
         t.save()
-        stop = t.warmup.reason if t.stopped and spec.mode == "warmup" else ""
+        stop = t.warmup.reason if t.stopped and spec.round_kind == "warmup" else ""
         _say(
             board,
             {
                 **record,
                 "round": spec.round_index,
-                "mode": spec.mode,
+                "round_kind": spec.round_kind,
                 "view": t.view.name,
                 "max_epochs": spec.max_epochs,
                 "stop": stop,
@@ -570,11 +570,16 @@ def _eval_set(spec: TrainSpec, shards: tuple[str, ...], trainer: _ViewTrainer):
 def _finish(spec: TrainSpec, trainers: list[_ViewTrainer]) -> None:
     """Keep each view's final weights, evaluate them (A, B, A+B) and write the summary last."""
     layout = RunLayout(spec.output)
-    summary = {"round": spec.round_index, "mode": spec.mode, "views": {}, "retrieval": None}
+    summary = {
+        "round": spec.round_index,
+        "round_kind": spec.round_kind,
+        "views": {},
+        "retrieval": None,
+    }
     for t in trainers:
         best = (
             load_torch(layout.best_model(spec.round_index, t.view.name))
-            if (spec.mode == "warmup" and t.warmup.best_epoch is not None)
+            if (spec.round_kind == "warmup" and t.warmup.best_epoch is not None)
             else None
         )
         if best is not None:
@@ -585,7 +590,7 @@ def _finish(spec: TrainSpec, trainers: list[_ViewTrainer]) -> None:
             "epochs": t.epoch,
             "steps": t.step,
             "history": t.history,
-            "warmup": t.warmup.to_dict() if spec.mode == "warmup" else None,
+            "warmup": t.warmup.to_dict() if spec.round_kind == "warmup" else None,
             "kept_epoch": t.warmup.best_epoch if best is not None else t.epoch,
             "checkpoint": layout.model_checkpoint(spec.round_index, t.view.name),
         }

@@ -44,7 +44,9 @@ class TrainSpec:
     decode: DecodeOptions = field(default_factory=DecodeOptions)
     val_shards: tuple[str, ...] = ()  # select the warm-up length and kept epoch (not reported)
     test_shards: tuple[str, ...] = ()  # the reported retrieval of the final models only
-    mode: str = "warmup"  # "warmup" | "labels" (co-teaching on joined label tables)
+    # which training this is: "warmup" (every pair, or the warm-up selection) | "labels"
+    # (co-teaching on joined label tables); not the job's train.mode, which picks the labels
+    round_kind: str = "warmup"
     max_epochs: int = 1  # train.warmup_epochs or train.epochs_per_round
     use_gpu: bool = False
     # (co-teaching epochs before this round, all co-teaching epochs): the subset schedule and
