@@ -93,8 +93,10 @@ def chunk_pixels(pixels: list, plan: PixelPlan) -> tuple[list[str | None], torch
             errors[i] = image
         else:
             good.append((i, image))
+    spec = plan.pixels  # not None: only a plan with a PixelSpec leaves JPEGs or uint8 here
     if good:
-        resized = resize_crop([image for _, image in good], plan.pixels)
+        assert spec is not None
+        resized = resize_crop([image for _, image in good], spec)
         for (i, _), image in zip(good, resized, strict=True):
             rows[i] = image  # (3, H, W) uint8 on the device
     kept = [r.to(plan.device, non_blocking=True) for r in rows if r is not None]
@@ -102,7 +104,8 @@ def chunk_pixels(pixels: list, plan: PixelPlan) -> tuple[list[str | None], torch
         return errors, torch.empty((0, 3, 1, 1), device=plan.device)
     batch = torch.stack(kept)  # (B_ok, 3, H, W)
     if batch.dtype == torch.uint8:
-        batch = normalize_pixels(batch, plan.pixels)
+        assert spec is not None
+        batch = normalize_pixels(batch, spec)
     return errors, batch
 
 
