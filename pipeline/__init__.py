@@ -14,9 +14,9 @@ __version__ = "0.1.0"
 
 # Every Ray worker process imports `pipeline.runtime.console` (the worker set-up hook, and thus this
 # package) whether or not it runs pipeline code: Ray Train's controller, its placement-group
-# cleaner, Ray Data's stats actor. Eager imports of pydantic and pyarrow.dataset here cost each
-# of them 0.5 s of CPU (about 4 s per training round on 2 cores), so the public names load on
-# first use (PEP 562).
+# cleaner, Ray Data's stats actor. Eager imports of pydantic and pyarrow.dataset here would cost
+# each of them CPU seconds per training round (docs/architecture.md §4.8), so the public names
+# load on first use (PEP 562).
 _PUBLIC = {
     "JobConfig": "pipeline.config",
     "JobConfigError": "pipeline.config",

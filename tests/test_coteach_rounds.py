@@ -165,8 +165,10 @@ def test_published_labels_are_the_mean_of_the_final_round_views(sps_run):
     assert set(final.column("round").to_pylist()) == {2}
     table = sps_run["metrics"]["coteaching"]
     assert [row["models"] for row in table] == [0, 1]
-    assert table[-1]["auroc_combined"] is not None
-    assert all(row["rsum_A+B"] is not None for row in table)
+    truth = sps_run["job"].eval.ground_truth
+    combined = table_quality(final, truth, "soft_label")["auroc"]
+    assert table[-1]["auroc_combined"] == pytest.approx(combined)
+    assert all(0 <= row["rsum_A+B"] <= 600 for row in table)  # six recalls in %
     assert (out / "report" / "index.html").exists()
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.dataset as ds
 import pytest
+from label_fixtures import table_quality
 from report_browser import check_report_in_browser
 
 import pipeline
@@ -21,7 +22,7 @@ from pipeline.io.labels import LABELS_SCHEMA
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import iter_shard_records, shard_name
 from pipeline.io.tables import sample_rows
-from pipeline.reporting.inspect import QUANTILES, _histogram_quantiles, inspect_run
+from pipeline.reporting.inspect import QUANTILES, inspect_run
 from pipeline.reporting.report import write_report
 from pipeline.stages.labels import LabelSpec, run_label_pass
 
@@ -88,9 +89,16 @@ def test_round_directory_and_view(labelled_run):
 def test_quality_table_and_log(labelled_run):
     quality = labelled_run["summary"]["quality"]
     for name in ("bicro", "cosine", "bmm_posterior", "gmm_posterior"):
-        assert quality[name]["auroc"] is not None and 0 <= quality[name]["auroc"] <= 1
+        assert 0 <= quality[name]["auroc"] <= 1
         assert quality[name]["n_pairs"] == labelled_run["summary"]["samples"]
-    assert quality["bicro"]["precision"] is not None
+    # What the pass reports is the quality of the table it wrote, against the ground truth.
+    job = labelled_run["job"]
+    table = read_labels(RunLayout(job.output).round_dir(1), view="a").to_table()
+    bicro = table_quality(table, job.eval.ground_truth, "soft_label", with_subset=True)
+    assert quality["bicro"]["auroc"] == pytest.approx(bicro["auroc"], abs=1e-9)
+    assert quality["bicro"]["precision"] == pytest.approx(bicro["precision"], abs=1e-9)
+    cosine = table_quality(table, job.eval.ground_truth, "cosine")
+    assert quality["cosine"]["auroc"] == pytest.approx(cosine["auroc"], abs=1e-9)
     # Each pass's quality table is for -v; its closing line carries the label AUROC.
     assert any(
         line.startswith("labels round 1 view a:") and "label AUROC" in line
@@ -103,6 +111,13 @@ def test_inspect_and_report(labelled_run, tmp_path):
     out = labelled_run["job"].output
     text = inspect_run(out)
     assert re.search(r"clean\s+\d+", text) and "soft_label quantiles" in text
+    # The quantiles `inspect` prints (streamed through a histogram) are the table's own, to
+    # the printed precision: the smallest value with at least q of the rows at or below it.
+    printed = re.search(r"soft_label quantiles: (.*)", text).group(1)
+    shown = [float(part.split()[1]) for part in printed.split(", ")]
+    soft = read_labels(out).to_table(columns=["soft_label"]).column("soft_label").to_numpy()
+    exact = np.quantile(soft, QUANTILES, method="inverted_cdf")
+    np.testing.assert_allclose(shown, exact, atol=1e-3)
     assert "bmm" in text and "quarantine:" in text and "label quality" in text
     index = Path(write_report(out))
     assert index == Path(out) / "report" / "index.html"
@@ -135,12 +150,3 @@ def test_sample_rows_reads_every_kth_row_batch_by_batch(tmp_path):
     assert sorted(sample.column("id").to_pylist()) == list(range(0, 3000, 5))
     whole, stride = sample_rows(dataset, ["id"], 3000)
     assert stride == 1 and whole.num_rows == 3000
-
-
-def test_inspect_quantiles_from_the_histogram_match_numpy():
-    values = np.random.default_rng(0).beta(0.5, 0.5, size=20_000)
-    bins = np.clip((values * 10_000).astype(np.int64), 0, 9_999)
-    histogram = np.bincount(bins, minlength=10_000)
-    got = _histogram_quantiles(histogram, QUANTILES)
-    want = np.quantile(values, QUANTILES)
-    np.testing.assert_allclose(got, want, atol=2e-4)

@@ -206,3 +206,57 @@ def test_the_size_check_can_fail():
     assert found == {"m.py::A.big": MAX_FUNCTION_LINES + 1}
     assert _oversize("m.py", "x = 1\n" * (MAX_MODULE_LINES + 1)) == {"m.py": MAX_MODULE_LINES + 1}
     assert _oversize("m.py", "x = 1\n" * MAX_MODULE_LINES) == {}
+
+
+# --------------------------------------------------------------------------- module docstrings
+
+# A module docstring states the module's contract in about ten lines and links docs/ for the
+# rest (the long form lives in docs/ once); this cap catches essays growing back.
+MAX_MODULE_DOCSTRING_LINES = 20
+
+
+def _long_docstring(source: str) -> int | None:
+    """The line count of a module's docstring when it exceeds the cap, else None."""
+    docstring = ast.get_docstring(ast.parse(source), clean=False)
+    lines = len(docstring.splitlines()) if docstring else 0
+    return lines if lines > MAX_MODULE_DOCSTRING_LINES else None
+
+
+def test_module_docstrings_state_the_contract_briefly():
+    long = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if (lines := _long_docstring(path.read_text())) is not None:
+            long[str(path.relative_to(PACKAGE))] = lines
+    assert not long, (
+        f"module docstrings over {MAX_MODULE_DOCSTRING_LINES} lines (keep the contract, move "
+        f"the explanation to docs/): {long}"
+    )
+
+
+def test_the_docstring_check_can_fail():
+    body = "\n".join(f"line {i}" for i in range(MAX_MODULE_DOCSTRING_LINES))
+    assert _long_docstring(f'"""{body}\none more"""\nx = 1\n') == MAX_MODULE_DOCSTRING_LINES + 1
+    assert _long_docstring(f'"""{body}"""\nx = 1\n') is None
+    assert _long_docstring("x = 1\n") is None
+
+
+# --------------------------------------------------------------------------- core imports no Ray
+
+
+def test_core_does_not_import_ray():
+    """Every module of pipeline.core, imported in a fresh interpreter, loads no ray module."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import pipeline.core as core\n"
+        "names = [m.name for m in pkgutil.walk_packages(core.__path__, 'pipeline.core.')]\n"
+        "for name in names:\n"
+        "    importlib.import_module(name)\n"
+        "loaded = sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.'))\n"
+        "assert not loaded, f'pipeline.core imported {loaded[:5]}'\n"
+        "print(len(names))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert int(out.stdout) >= 15  # the walk found the package's modules (labels/ included)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from fresh_interpreter import run_fresh
 
 from pipeline.config import TrainConfig
 from pipeline.data.synthetic import make_corpus
@@ -129,39 +128,3 @@ def test_resume_after_a_failure_mid_epoch_gives_identical_weights(corpus, warmed
         got = torch.load(RunLayout(str(resumed)).model_checkpoint(0, view), weights_only=True)
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
-
-
-def test_training_workers_and_the_driver_load_no_faiss():
-    """Training workers and the driver search no index, so they import no faiss: its loader
-    logs at INFO, and Ray forwards a worker's log to the job's console ("Loading faiss with
-    AVX2 support", "ModuleNotFoundError(...swigfaiss_avx2)") once per training round."""
-    _, loaded = run_fresh(
-        "import pipeline.cli, pipeline.config, pipeline.stages.train.loop\n", {"faiss"}
-    )
-    assert loaded == [], loaded
-
-
-def test_the_training_controller_unpickles_its_config_without_the_training_code(corpus, tmp_path):
-    """What Ray Train's controller unpickles for several workers (the torch config, the
-    train-loop config) loads neither open_clip nor the training stage there: in a fresh process
-    those imports cost seconds of CPU per round (torch comes with Ray Train's TorchConfig)."""
-    import pickle
-
-    import cloudpickle
-
-    from pipeline.runtime.rendezvous import LoopbackTorchConfig
-    from pipeline.stages.train.driver import train_loop_config
-
-    spec = _spec(corpus, tmp_path)
-    config = LoopbackTorchConfig()
-    blob = cloudpickle.dumps((config, train_loop_config(spec, None, ray_train=True)))
-    (tmp_path / "config.pkl").write_bytes(blob)
-    _, loaded = run_fresh(
-        "import pickle\n"
-        f"config, loop_config = pickle.load(open({str(tmp_path / 'config.pkl')!r}, 'rb'))\n"
-        "assert config.backend_cls.__name__ and loop_config['spec']\n",
-        {"open_clip", "pipeline.stages.train"},
-    )
-    assert loaded == [], loaded
-    # The workers get the spec back whole.
-    assert pickle.loads(train_loop_config(spec, None, ray_train=True)["spec"]) == spec

@@ -1,31 +1,16 @@
 """Co-teaching: which pairs train, with which weight, at which point of the schedule (pure numpy).
 
-Contract:
+Contract (docs/methods.md §10):
 - `coteach_phase(...)`: the subsets that take part in co-teaching epoch e (0-based over all
   rounds' epochs, E in total). A subset joins at epoch ⌊start·E⌋, so "half the epochs" means
-  the same thing for 1 round of 4 epochs and 4 rounds of 1 (docs/methods.md §10.4).
+  the same thing for 1 round of 4 epochs and 4 rounds of 1 (§10.4).
 - `training_targets(target, phase, subset, soft_label, proxy_label)`: per-row training targets
   from a label table: the weight of the pair's positive InfoNCE term (or its soft margin), the
   SPS reliable flag (L_cro/L_met rows) and whether the caption is replaced by the SPS proxy
-  caption. A weight of 0 keeps the pair in the batch as a negative only (docs/methods.md §10.5).
-
-Training targets (labels estimated by the peer model; docs/methods.md §10). Each label method
-names its target in `pipeline.core.labels.LABEL_METHODS`:
-- bicro: weight = the BiCro* soft label; noisy-subset rows weigh 0 until the noisy phase
-  (the reference trains on the clean loader only for the first half of its epochs).
-- sps: reliable rows weigh 1 and carry the L_cro/L_met constraints; quasi-clean rows weigh
-  ŷ_qc from the quasi phase on; a noisy row becomes the proxy pair (its image with the proxy
-  caption) weighing y_p from the noisy phase on, when y_p > 0; otherwise it weighs 0 and keeps
-  its own caption as a negative. The symmetric direction adds rows: the noisy caption T_n with
-  its proxy image Ï, weighing y_p^t from the noisy phase on, when y_p^t > 0
-  (`proxy_image_weights`).
-- weights: the label is the weight (RCR's w̃, the cosine baseline's label; vanilla: all 1;
-  oracle: ground truth 1/0).
-- rematch (assign): the label is the pair's weight, as `weights`; besides, every noisy pair
-  with a rematch adds training rows, from the first co-teaching epoch: its image with the
-  rematched caption, weighing y_p_img (`TrainingTargets.proxy_row`), and the rematched image
-  with its caption, weighing y_p_txt (`proxy_image_weights`). Its own row stays (L2RM trains
-  the rematched pairs beside the soft-weighted originals).
+  caption. A weight of 0 keeps the pair in the batch as a negative only (§10.5).
+- Each label method names its target (`bicro`, `sps`, `weights`, `rematch`) in
+  `pipeline.core.labels.LABEL_METHODS`; what each gives the trainee is the table of §10.3.
+  `proxy_image_weights` weighs the added text-direction rows (SPS, assign's rematches).
 """
 
 from __future__ import annotations

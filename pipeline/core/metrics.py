@@ -1,24 +1,15 @@
 """Evaluation metrics: label quality against ground truth, and cross-modal retrieval recall.
-
 Pure numpy / torch / scipy / scikit-learn; no Ray, no I/O, no config objects.
 
 Contract:
-- `label_quality` scores estimated correspondence labels (higher = more likely a true pair)
-  against the synthetic ground truth of a corpus: AUROC clean-vs-mismatched, Spearman with the
-  true degree of correspondence, precision/recall of a selected clean subset. It never raises on
-  degenerate data (one class missing, constant inputs, empty subset): the metric is `None` and
-  `reasons[name]` says why. NaN scores are excluded from the score-based metrics and counted.
-- `retrieval_recall` computes image->text and text->image Recall@K in percent and rSum, the
-  figures of the noisy-correspondence papers (BiCro, NCR, SPS, RCR). An image may have several
-  captions (5 in Flickr30K / MS-COCO): image->text counts a hit when ANY of its captions is in the
-  top K. Ranks are exact and computed by counting, chunk by chunk over the queries, so a 5k x 25k
-  similarity matrix needs only a (chunk, 25k) working set; no top-K list is materialised.
-- Tie rule: candidates are ordered by decreasing similarity and, among equal similarities, by
-  increasing index (a stable descending sort). A query's rank is the 0-based position of its
-  first correct candidate in that order; a hit at K means rank < K. The rule is deterministic,
-  unlike `torch.topk`, whose order among ties is unspecified.
-- `similarity_for_eval` is the papers' co-teaching inference: the mean of the two networks'
-  (n_images, n_texts) cosine-similarity matrices.
+- `label_quality` scores estimated correspondence labels against a corpus's ground truth
+  (AUROC clean-vs-mismatched, Spearman with the true degree, precision/recall of a clean
+  subset). It never raises on degenerate data: the metric is `None` and `reasons[name]` says why.
+- `retrieval_recall`: image->text and text->image Recall@K in percent and rSum; an image hits
+  when ANY of its captions is in the top K. Ranks are exact, counted chunk by chunk (no top-K
+  list). Tie rule: decreasing similarity, then increasing index (deterministic, unlike
+  `torch.topk`); a hit at K means rank < K.
+- `similarity_for_eval`: the mean of the two networks' cosine-similarity matrices.
 """
 
 from __future__ import annotations

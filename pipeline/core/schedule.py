@@ -5,8 +5,8 @@ Contract:
   `min_ratio * base_lr` at `total_steps` (CLIP fine-tuning practice: NPC/RCR).
 - `WarmupState` + `update_warmup` decide, epoch by epoch, (a) whether small-loss selection is
   on and (b) whether warm-up stops. Selection waits until the model has left the chance
-  plateau: selecting the lowest-loss 30% of a model that has learned nothing stops learning
-  altogether (measured: clean-vs-mismatched AUROC 0.49 vs 0.90 with plain training). Warm-up
+  plateau: selecting the lowest-loss pairs of a model that has learned nothing stops learning
+  altogether (docs/methods.md §10.2 has the evidence). Warm-up
   stops when held-out rSum has not improved for `patience` epochs after leaving the plateau,
   or at `max_epochs`. The state is a plain dict so it can be checkpointed.
 """

@@ -1,51 +1,15 @@
 """Noisy demo corpus generator: procedurally drawn scenes in the img2dataset layout.
 
-Contract (docs/architecture.md §4.1 and §6; file names and ground-truth columns are a contract):
-
-``make_corpus(out_dir, ...)`` writes::
-
-    out_dir/00000.tar            img2dataset WebDataset shards; per sample, in this order,
-                                 ``{key}.jpg``, ``{key}.txt``, ``{key}.json``
-    out_dir/00000.parquet        img2dataset metadata table (``IMG2DATASET_SCHEMA``)
-    out_dir/00000_stats.json     img2dataset shard stats
-    out_dir/ground_truth.parquet ``GROUND_TRUTH_SCHEMA``: key, shard, kind, degree, caption
-                                 (the original, true caption), noisy_caption (the one in the
-                                 tar), changed_attribute, corrupt
-    out_dir/test/...             the same layout for a clean held-out split, with its own
-                                 ``test/ground_truth.parquet`` (reported retrieval)
-    out_dir/val/...              the same for a clean validation split (``val_samples``), which
-                                 selects the warm-up; never reported
-
-- Keys are 9 digits, img2dataset style: 5-digit shard index + 4-digit index within the shard
-  (shard 3, sample 17 -> ``000030017``). Held-out shards are numbered from ``00000`` under
-  ``test/`` (and ``val/``) but their keys use shard prefixes from 90000 (80000), so keys are
-  unique across the splits.
-- Noise (the NCR / BiCro protocol): ``floor(noise * samples)`` samples are ``mismatched``
-  (degree 0.0): their caption is the true caption of another mismatched sample (a constrained
-  derangement; the donor's scene differs in at least ``MIN_MISMATCH_DIFF`` attributes).
-  ``floor(partial * samples)`` samples are ``partial`` (degree 0.5): exactly one attribute of
-  the caption is changed. The rest are ``clean`` (degree 1.0). The held-out split is all clean.
-- ``floor(corrupt * samples)`` training samples get one damaged member (``CORRUPT_MODES``,
-  assigned round-robin in a seeded order); they stay in the ground truth with the kind they
-  were drawn as, and ``corrupt`` names the damage. Their json/parquet ``sha256`` is the hash of
-  the intact JPEG, as it would be for data damaged after download.
-- Everything except the wall-clock fields of ``*_stats.json`` is a pure function of the
+Contract (docs/corpus.md; file names and ground-truth columns are a contract):
+- `make_corpus(out_dir, ...)` writes `NNNNN.tar` shards (`{key}.jpg`, `.txt`, `.json` per
+  sample), their img2dataset `.parquet` and `_stats.json`, `ground_truth.parquet`, and clean
+  `test/` and `val/` splits with their own ground truth; keys are unique across the splits.
+- `noise_model`: `ncr` (the NCR / BiCro protocol: mismatched pairs take another pair's caption,
+  partial pairs have one attribute changed; `GROUND_TRUTH_SCHEMA`), `web` (noise that follows
+  the image, `pipeline.data.web_noise`) or `teacher` (clean, blind to count and position); the
+  last two write `GROUND_TRUTH_V2_SCHEMA`.
+- Everything except the wall-clock fields of `*_stats.json` is a pure function of the
   arguments: the same seed gives byte-identical tars and Parquet files.
-- Every caption parses back to its scene with ``parse_caption`` (used by tests and analysis).
-
-- ``noise_model`` (docs/corpus.md): ``ncr`` is the protocol above and writes ground_truth.v1,
-  byte for byte as before the other models existed. ``web`` (:mod:`pipeline.data.web_noise`,
-  knobs in ``WebNoise``) draws pages of similar images, near and exact duplicates, page swaps,
-  boilerplate, page captions, clutter and low contrast; ``teacher`` is a clean corpus whose
-  captions never name the count or the position. Both write ``GROUND_TRUTH_V2_SCHEMA``: v1's
-  columns, ``degree`` per row (page captions are ``partial`` at 0.25), plus ``noise_type``,
-  ``cluttered``, ``low_contrast``, ``caption_style``, ``page`` and ``duplicate_of``. For web
-  rows ``caption`` is the full true caption of the image; a clean ``noisy_caption`` may be a
-  short or alt-text caption of the same image (``caption_attributes`` reads it).
-
-The scenes and captions live in :mod:`pipeline.data.scenes`, the sampling and noise in
-:mod:`pipeline.data.noise` and :mod:`pipeline.data.web_noise`; this module writes the files
-and re-exports their public names.
 """
 
 from __future__ import annotations
@@ -620,8 +584,8 @@ def make_corpus(
     }
     if noise_model == "ncr":
         return _write_ncr_corpus(out, params)
-    # The ncr metadata (and so its Parquet bytes) stays as it was: no noise_model key; the
-    # optional knobs are recorded only when given, so a default corpus's bytes stay too.
+    # The ncr metadata has no noise_model key, so an ncr corpus's Parquet bytes do not depend on
+    # the other models; optional knobs are recorded only when given, for the same reason.
     del params["noise"], params["partial"]
     params["noise_model"] = noise_model
     params |= {"web": asdict(web)} if web is not None else {}

@@ -1,25 +1,15 @@
 """Shard specs -> shard locations: brace and glob expansion, existence checks, shard names.
 
-Contract (part of :mod:`pipeline.io.shards`, docs/architecture.md §4.1):
-
-* :func:`expand_shard_patterns` accepts brace patterns (``/d/{00000..00331}.tar``, ``{a,b}``,
-  nested), globs (``*``, ``?``, ``[..]``) on local paths and fsspec URLs, plain paths, fsspec
-  URLs (``s3://``, ``gs://``, ``memory://``, ``file://``, chained ``simplecache::s3://``) and
-  lists of any of these. Local paths come back absolute (Ray workers do not share the driver's
-  working directory); URLs keep their protocol. Order is the user's order, sorted within each
-  glob, first occurrence wins. Missing brace-expanded paths are skipped with a warning, missing
-  plainly listed paths are an error, a spec matching nothing is an error, two shards with the
-  same :func:`shard_name` are an error (outputs are keyed by it). ``pipe:`` commands are refused
-  unless the job opts in with ``allow_pipe=True``.
-* Existence is checked without reading any shard: one directory listing per directory on object
-  stores (cheaper than a request per shard), per-path checks for small sets.
-* :func:`shard_name` is the name every per-shard output table is keyed by.
-* Several sources (:func:`expand_sources`): each source's spec is expanded as above and its
-  locations are tagged ``<source>=<location>`` (:func:`source_location`); a tagged shard is
-  named ``<source>-<name>`` and its keys are read as ``<source>/<key>`` (:func:`qualify_key`),
-  so two downloads that both start at ``00000.tar`` and key ``000000000`` never collide. Source
-  names are identifiers (no ``-``, ``=`` or ``/``), so a qualified name splits back one way only.
-  Whoever opens a shard strips the tag first (:func:`split_source`).
+Contract (part of `pipeline.io.shards`; the full rules: docs/shards.md):
+- `expand_shard_patterns` accepts brace patterns, globs, plain paths, fsspec URLs and lists of
+  these; local paths come back absolute, order is the user's (sorted within a glob), missing
+  listed paths, specs matching nothing and two shards with the same `shard_name` are errors,
+  `pipe:` is refused unless `allow_pipe=True`.
+- Existence is checked without reading any shard: one listing per directory on object stores,
+  per-path checks for small sets.
+- Several sources (`expand_sources`): locations are tagged `<source>=<location>`; a tagged
+  shard is named `<source>-<name>` and its keys read `<source>/<key>` (`qualify_key`), so two
+  downloads never collide. Whoever opens a shard strips the tag first (`split_source`).
 """
 
 from __future__ import annotations

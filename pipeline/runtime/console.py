@@ -1,30 +1,15 @@
-"""What reaches the terminal: the one place that configures logging for `pipeline`.
+"""What reaches the terminal: the one place that configures logging for `pipeline`
+(docs/architecture.md §5 has the whole convention).
 
-Convention:
-- Every module logs through its own `logger = logging.getLogger(__name__)` (so every record is
-  under the `pipeline` logger) and never prints, never calls `logging.basicConfig`, never
-  touches the root logger's level or handlers. Importing `pipeline` configures nothing.
-- Entry points decide where records go: the CLI calls `setup_console` once; `pipeline.run_job`
-  calls `ensure_console`, which does the same only when nothing has configured logging yet (a
-  script or notebook sees the progress; an application with its own logging set-up keeps it).
-- Ray worker processes (actors, tasks, training loops) get `setup_worker_logging` through
-  Ray's `worker_process_setup_hook` (set by `pipeline.runtime.ray.init_ray`); worker code itself
-  configures nothing. Per-item results come back to the driver as return values and the driver
-  logs them; training progress comes back through the progress board.
-
-Ray's own output, when the console was set up here, is quieted with Ray's own settings
-(`ray_init_options`, `setup_console`): workers' stdout/stderr are not forwarded to the driver
-(`log_to_driver=False`: failures come back as exceptions; each worker's output stays in Ray's
-log files, /tmp/ray/session_*/logs), the driver's `ray` loggers and Ray Data's show errors
-only (`logging_level`, `RAY_DATA_LOG_LEVEL`), and the autoscaler's scheduling tips are off
-(`RAY_SCHEDULER_EVENTS=0`). An application that set up logging itself keeps Ray's defaults.
-
-Progress (`pipeline.runtime.progress`): on a terminal, `live_task` draws a bar per long step (rich),
-printed over by the log lines; elsewhere progress arrives as ordinary log lines.
-
-Format: INFO is the bare message (the run's summaries are tables meant to be read as they are),
-DEBUG, WARNING and above carry the level and the logger's name. INFO and DEBUG go to stdout,
-WARNING and above to stderr.
+Contract:
+- Library modules log through `logging.getLogger(__name__)`, never print and configure nothing;
+  importing `pipeline` configures nothing.
+- `setup_console` (the CLI, once) and `ensure_console` (`run_job`, only when nothing configured
+  logging yet) send `pipeline` records to the terminal: INFO bare to stdout, DEBUG with level and
+  name to stdout, WARNING and above with level and name to stderr.
+- `setup_worker_logging` runs in every Ray worker process (Ray's `worker_process_setup_hook`).
+- `ray_init_options` quiets Ray with its own settings (`log_to_driver=False`, log levels) when
+  the console was set up here; an application with its own logging keeps Ray's defaults.
 """
 
 from __future__ import annotations

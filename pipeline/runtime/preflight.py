@@ -1,26 +1,14 @@
 """Resource preflight: before any work, can the cluster's nodes host what each stage requests?
+(docs/architecture.md §4.7 lists each stage's requests and why.)
 
-Ray never refuses a request no node can satisfy: it waits, forever, behind "No available node
-types can fulfill resource request" (an embed worker asking for more CPUs than any node has), or
-behind "Cluster resources are not enough to run any task" (training workers that leave no CPU
-for the Ray Data tasks reading their shards). `check_requests` is the pure part: planned
-requests and the nodes' resources in, the problems out, each naming the key to change;
-`check_cluster` reads the connected cluster and raises `JobConfigError` in seconds.
-
-What each stage asks of Ray (kept in step with the stages; docs/architecture.md §5):
-- embed: workers of `embed.cpus_per_worker` CPUs each (+ `embed.gpus_per_worker` GPUs on a
-  cluster with GPUs): an actor pool on GPUs, tasks on CPU. Ray Data starts as many as
-  resources allow and works with those that run, so one worker must fit on one node; its
-  input is in memory (`from_items`), so no read task needs a CPU beside the workers.
-- labels: `index.shards` actors held together for the whole pass (on CPU they hold no CPU,
-  needing one only to be placed; with `index.gpus_per_actor` each holds those GPUs and one CPU)
-  and 1-CPU shard tasks beside them.
-- train: `train.workers` workers started together (a placement group): 1 CPU each, or 1 GPU
-  and no CPU on a cluster with GPUs (Ray Train's defaults), plus, at the same time, one CPU per
-  worker for the Ray Data task reading its shards. A reader that waits for a CPU held by
-  another worker's reader, blocked in turn on its worker stuck in a DDP all-reduce, never
-  finishes: so each worker needs its own reader CPU, not one shared.
-- dedup, publish, cosine filter: 1-CPU tasks.
+Contract:
+- `plan_requests(job, ...)` restates what each stage asks of Ray (embed workers, index actors
+  and their shard tasks, training workers plus one reader CPU each, 1-CPU tasks); kept in step
+  with the stages.
+- `check_requests` is the pure part: planned requests and the nodes' resources in, the
+  problems out, each naming the key to change.
+- `check_cluster` reads the connected cluster and raises `JobConfigError` in seconds, instead
+  of Ray waiting forever on a request no node can satisfy.
 """
 
 from __future__ import annotations

@@ -25,11 +25,11 @@ LOOPBACK_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # local-only mode: all ports bind 127.0.0.1
     "RAY_USAGE_STATS_ENABLED": "0",
     "HF_HUB_DISABLE_TELEMETRY": "1",
-    # Ray Train's controller polls its workers every 2 s by default, so a training round ended
-    # up to 2 s after its last step (measured here: 2.5 s -> 0.3 s polling every 0.2 s).
+    # Ray Train's controller polls its workers every 2 s by default, so a training round would
+    # end up to 2 s after its last step (docs/development.md).
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
     # Its preemption watcher (an extra actor per training round) waits for a node drain, which
-    # a single machine never announces; on 2 cores starting it delays the round by ~1 s.
+    # a single machine never announces, and starting it delays every round.
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
 }
 
@@ -101,9 +101,9 @@ def init_ray(
         configure_logging=True,
         runtime_env={"worker_process_setup_hook": WORKER_SETUP_HOOK},
         # Ray keeps only num_cpus idle workers and ends the others within a second, so on a
-        # small machine each training round's decode tasks started in fresh processes that
-        # imported torch and open_clip again (~5 s each on 2 cores). Keeping a few more idle
-        # workers: `make demo` 229 s -> 209 s (medians of 2), a round's epoch 19-23 s -> 14-16 s.
+        # small machine each training round's decode tasks would start in fresh processes that
+        # import torch and open_clip again; a few more idle workers keep them warm
+        # (docs/architecture.md §4.8).
         _system_config={
             "num_workers_soft_limit": max(IDLE_WORKERS, num_cpus or os.cpu_count() or 1)
         },

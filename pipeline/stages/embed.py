@@ -7,30 +7,13 @@ Contract:
   data goes straight to `rounds/<r>/embeddings/<shard>.parquet` and never to the driver.
 - Per shard it writes `quarantine/<shard>.parquet` first (when asked to), then the embeddings
   table, atomically, with the shard's run-state key in its footer (`ncl.stage_key`): the table
-  is the shard's completion marker, and the driver (`pipeline.run.state`) passes only the shards
-  whose table is missing or of another key.
-- Losses follow docs/methods.md §1: embeddings are computed per sample, then losses on seeded,
-  fixed-size batches of `batch_size` within the shard (remainder batch filled with other
-  samples of the shard whose losses are discarded).
-- Each row carries `image_sha256`, the hex sha256 of its image member's bytes as stored in the
-  tar (hashed while decoding, so no second read): byte-identical images share it, which is how
-  RCR de-duplicates images (docs/methods.md §6.3), and `uid` (the json's 128-bit `uid`, else the
-  first 128 bits of sha256(key); `pipeline.io.labels.uid_of`), which the published label table
-  carries for joins by a stable id.
-- Round 0 with `embed.from_embeddings` (`EmbedSpec.source`) still reads and decodes every
-  sample (quarantine, hashes and fingerprint as usual) but takes each pair's embeddings from
-  the clip-retrieval folder by key (`pipeline.io.clip_retrieval`), L2-normalised in fp32 as
-  `encode_pairs` returns them; a pair the folder lacks (or holds under another caption, or
-  twice) is embedded by the model, which is loaded anyway for its logit scale; the summary
-  counts both (`ingested`, `not_ingested`).
-- Round 0 records the tar's fingerprint (size, sha256 of the bytes as streamed) in the table's
-  footer; its keys are what later stages may use (`pipeline.io.admitted`). Rounds >= 1 embed
-  only those keys and write nothing for a shard whose fingerprint changed (`changed`).
-
-Why a shard per call: the output is per shard (atomic, resumable, one quarantine file per
-shard) and a shard's samples stay together, so no shuffle or group-by is needed. Decoding runs
-in a thread pool inside the actor (PIL and torch release the GIL) and overlaps the model, a
-chunk of `embed.forward_batch_size` pairs at a time (`pipeline.models.pixels`).
+  is the shard's completion marker.
+- Losses follow docs/methods.md §1: seeded, fixed-size batches of `batch_size` within the shard.
+  Each row carries `image_sha256` and `uid`; round 0 may take embeddings from a clip-retrieval
+  folder (`embed.from_embeddings`) and embeds what it lacks.
+- Round 0 records the tar's fingerprint (size, sha256) in the footer; its keys are what later
+  stages may use (`pipeline.io.admitted`). Rounds >= 1 embed only those keys and write nothing
+  for a shard whose fingerprint changed.
 """
 
 from __future__ import annotations
@@ -224,8 +207,8 @@ def embed_shards_on_cpu(batch: dict[str, np.ndarray], spec: EmbedSpec) -> dict[s
 
     Why tasks and not actors on CPU: Ray keeps idle task workers alive between passes (and
     between the jobs of one driver), torch and open_clip already imported and the last pass's
-    models loaded, where each actor pool starts new processes that import both again: about
-    6 s per pass, most of a small pass. A GPU pass keeps its actors, which pin one device each.
+    models loaded, where each actor pool starts new processes that import both again (most of
+    a small pass; docs/development.md). A GPU pass keeps its actors, which pin one device each.
     """
     key = _views_key(spec)
     if key not in _process_views:

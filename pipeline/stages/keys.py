@@ -1,31 +1,19 @@
-"""Corpus-wide key check after the round-0 embed pass (docs/architecture.md §4.1).
+"""Corpus-wide key check after the round-0 embed pass (docs/architecture.md §4.1.1, where the
+scaling plan is described).
 
 Contract:
 - Keys are unique in the corpus: a key found in several shards is kept in the first of them in
   sorted shard-name order and quarantined everywhere else as `duplicate_key`, its `detail`
-  naming the shard that kept it. (A key repeated inside one tar is the reader's business: the
-  first group is kept there.)
-- Applied to the round-0 embeddings, the admission record of each shard (`pipeline.io.admitted`):
-  the losing shard's quarantine table gains the rows first, then its embeddings table is
-  rewritten without them, each atomically. A rerun finds the same duplicates as long as the
-  second write has not happened and replaces (never repeats) the quarantine rows, so a crash
-  between the writes is harmless. Later rounds and training read only admitted keys, so the
-  rows dropped here reach no later stage; stale later-round embeddings of a rewritten shard (an
-  earlier run's) are deleted.
-- Several sources (`input.sources`): keys are qualified by their source, so the key check finds
-  repeats within a source only; a second pass then finds the same pair (the same image bytes,
-  `image_sha256`, and the same caption) in several sources, keeps it in the first source
-  listed (its first shard there) and quarantines it in the others as `duplicate_pair`, the
-  same way. Repeats of a pair within one source are kept, as under `input.shards`.
-
-How it runs (no key reaches the driver): one map task per shard reads the `key` column and
-splits it by a hash of the key into P partitions, returned as P objects in the object store;
-one reduce task per partition groups its keys with Arrow (`group_by`, min shard index) and
-returns the per-shard count of losers (to the driver) and the losers themselves (stays in the
-object store); one task per losing shard gathers its rows from the partitions that hold some
-and rewrites that shard. Memory per reduce task is (corpus keys / P); P grows with the corpus
-(`partitions_for`), so 1e9 keys run as ~1000 reduce tasks of ~1e6 keys (~100 MB) each, and the
-driver holds O(shards x partitions) counts.
+  naming the shard that kept it. (A key repeated inside one tar is the reader's business.)
+- Applied to the round-0 embeddings, each shard's admission record: the losing shard's
+  quarantine table gains the rows first, then its embeddings table is rewritten without them,
+  each atomically; a rerun replaces (never repeats) the quarantine rows, so a crash between the
+  writes is harmless. Stale later-round embeddings of a rewritten shard are deleted.
+- Several sources (`input.sources`): keys are qualified by their source; a second pass keeps a
+  pair found in several sources (same image bytes and caption) in the first source listed and
+  quarantines it in the others as `duplicate_pair` (docs/cc3m.md).
+- No key reaches the driver: map tasks hash-partition the keys, reduce tasks group them with
+  Arrow, and one task per losing shard rewrites it.
 """
 
 from __future__ import annotations

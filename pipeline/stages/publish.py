@@ -1,30 +1,16 @@
-"""Publish stage: the final `labels/` from the last round's two views.
+"""Publish stage: the final `labels/` from the last round's two views (docs/architecture.md
+§4.4 says how the two views combine).
 
 Contract:
 - `publish_labels(sources, shards, out_dir, ...)` reads `rounds/<r>/labels_a/<shard>.parquet` and
-  `rounds/<r>/labels_b/<shard>.parquet` (same keys, same order: both come from one embeddings
-  table) and writes `out_dir/gen-<n>/<shard>.parquet` in `labels.v4`, one Ray task per shard, so
-  no per-sample data reaches the driver (except the ground-truth quality arrays of the demo).
-  Only once every table and `_label_pass.json` of the new generation are written does
-  `out_dir/_CURRENT` switch to it (`pipeline.io.generations`): a reader sees the previous
-  run's labels or this run's, never a mix, and the generation folder holds exactly the
-  published shards. The generation before stays until the next publish (readers mid-read).
-  How the two views combine (documented in the README):
-  - soft_label, clean_prob, loss, cosine and every registered method's score columns
-    (`pipeline.core.labels.SCORE_COLUMNS`: bicro, rcr, sps, assign, ...): the mean of the two
-    views (the test time rule of co-teaching, which averages the two models' similarities;
-    docs/methods.md §9.4); null where either view has none (a view table written before its
-    column existed reads as all null);
-  - subset: the more cautious of the two (clean only when both views say clean; noisy when
-    either says noisy);
-  - image_anchor_key / text_anchor_key: view a's; round: the round both views come from;
-  - uid, image_sha256 (labels.v2's stable ids): from the round's embeddings table
-    (`rounds/<r>/embeddings/<shard>.parquet`, joined by key), where the embed pass recorded them
-    from the tar; for embeddings written before those columns existed, uid is computed from the
-    key (`uid_of`) and image_sha256 stays null. A view table that already carries them wins.
-  File metadata: view a's, with `ncl.view=a+b`, `ncl.combined=mean`, `ncl.sources` (the two
-  folders) and `ncl.model_id` listing both models. `gen-<n>/_label_pass.json` (written last)
-  holds both views' pass summaries and the quality of the combined label.
+  `rounds/<r>/labels_b/<shard>.parquet` and writes `out_dir/gen-<n>/<shard>.parquet` in
+  `labels.v4`, one Ray task per shard, so no per-sample data reaches the driver (except the
+  ground-truth quality arrays of the demo).
+- Only once every table and `_label_pass.json` of the new generation are written does
+  `out_dir/_CURRENT` switch to it (`pipeline.io.generations`): a reader sees the previous run's
+  labels or this run's, never a mix. The generation before stays until the next publish.
+- Combining: score columns are the mean of the two views (`AVERAGED`, from the label-method
+  registry), `subset` the more cautious view's, the stable ids from the round's embeddings.
 """
 
 from __future__ import annotations

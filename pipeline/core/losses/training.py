@@ -1,26 +1,16 @@
-"""Training losses for fine-tuning on estimated correspondence labels: pure torch, no Ray, no I/O.
+"""Training losses for fine-tuning on estimated correspondence labels: pure torch, no Ray, no I/O
+(docs/methods.md §10.5).
 
 Contract:
 - Every loss takes (B, D) L2-normalised image and text embeddings whose row i is pair i, in any
-  float dtype (fp16/bf16 under autocast included), and computes in float32 with log-softmax, so
-  CLIP's logit scale of 100 never overflows. The result is a float32 scalar with autograd intact
-  (embeddings and a tensor `logit_scale` both receive gradients); per-sample labels, margins and
-  weights are constants (detached).
-- The per-sample InfoNCE terms come from `pipeline.core.losses.per_sample.infonce_per_sample`
-  (docs/methods.md §1.2); this module only reduces them.
-- `select_small_loss`: BiCro's warm-up selection (docs/methods.md §10.2), the ⌊ratio·B⌋
-  lowest losses.
-- `symmetric_infonce` / `weighted_infonce`: CLIP's loss and its per-pair weighted form
-  (docs/methods.md §10.5). A weight scales only the pair's own positive term; the pair stays
-  a negative in every other row and column.
-- `soft_margin` / `soft_margin_triplet`: NCR/BiCro's soft-margin VSE++ hardest-negative triplet
-  (docs/methods.md §10.5), with the margin indexed by each query's own pair in both directions (the
-  references' broadcasting bug fixed).
-- `sps_consistency_losses`: SPS's stable-space constraints L_cro and L_met (docs/methods.md §10.5).
-- Co-positives (`co_positive_mask`): rows that share an image source or a text source (SPS proxy
-  pairs: several noisy images with the same proxy caption, a proxy image next to its own pair)
-  are removed from each other's negatives in `weighted_infonce` and `soft_margin_triplet` when
-  the caller passes the per-row source ids; without ids every other row is a negative.
+  float dtype, and computes in float32 with log-softmax, so CLIP's logit scale of 100 never
+  overflows. The result is a float32 scalar with autograd intact (embeddings and a tensor
+  `logit_scale` both receive gradients); per-sample labels, margins and weights are constants.
+- The per-sample InfoNCE terms come from `pipeline.core.losses.per_sample`; this module only
+  reduces them. A weight scales only the pair's own positive term; the pair stays a negative in
+  every other row and column.
+- Co-positives (`co_positive_mask`): rows that share an image or a text source are removed from
+  each other's negatives when the caller passes per-row source ids.
 """
 
 from __future__ import annotations

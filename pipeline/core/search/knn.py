@@ -142,7 +142,7 @@ def train_index(
     if ivf is not None:
         concrete = lib.downcast_index(ivf)
         # Polysemous training (on by default for IVF..,PQ..) only serves Hamming pre-filtering,
-        # which we never enable; it cost ~45 s of a ~50 s IVF1024,PQ64 training on 2 cores.
+        # which we never enable, and it is most of an IVF..,PQ.. training (docs/development.md).
         if hasattr(concrete, "do_polysemous_training"):
             concrete.do_polysemous_training = False
         if niter is not None:

@@ -1,25 +1,14 @@
-"""Export the cleaned corpus of a run for training: webdataset shards, a DataComp uid file, keys.
+"""Export the cleaned corpus of a run for training: webdataset shards, a DataComp uid file, keys
+(docs/architecture.md §4.10 has the formats and the resume rules).
 
-Contract (`ncl-pipeline export RUN --out DIR`, issue 12):
-- Kept pairs: the rows of RUN's published label tables (the generation `labels/_CURRENT` names,
-  or a flat `labels/`; any readable labels.v1, v2 or v3) with
-  `soft_label >= min_label` and `subset` in `subsets` (`pipeline.stages.export.tasks.kept_filter`).
-- `wds`: img2dataset-layout tars of the kept pairs, resharded to `samples_per_shard` pairs per
-  output shard (the last one holds the rest), named `00000.tar`, `00001.tar`, ... in input
-  shard order then tar order. Image and text members are the input's bytes; `{key}.json` is
-  extended (`pipeline.stages.export.tasks`). Beside them: `<name>_stats.json` per shard and
-  `sizes.json` ({"00000.tar": n, ...}, what open_clip's `get_dataset_size` reads). One Ray task
-  per input shard writes a part, one per output shard concatenates parts; see that module.
-- `uid`: `uids.npy`, DataComp's subset file: a sorted numpy array of dtype `u8,u8` (high, low
-  64 bits of each 128-bit uid). With `repeat_by_label=R` each kept uid appears round(R·label)
-  times, rounded stochastically (floor, plus one with probability of the fraction; seeded per
-  shard, so reruns give the same file); a uid with count 0 is left out.
-- `keys`: `keys.parquet` (`KEYS_SCHEMA`): key, shard, soft_label, subset, round, uid.
-- DIR: created when missing. A DIR that holds anything else than an unfinished export of the
-  same run and options is refused (`ExportConflictError`) unless `overwrite`, which removes only
-  files an export writes and still refuses foreign files. An unfinished export with the same
-  plan (`_export_plan.json`) is resumed: done parts and shards are skipped, so a killed export
-  rerun leaves every kept key exactly once. `_export.json` (the summary) is written last.
+Contract (`ncl-pipeline export RUN --out DIR`):
+- Kept pairs: the rows of RUN's published label tables (any `READABLE_SCHEMA_NAMES` version)
+  with `soft_label >= min_label` and `subset` in `subsets`.
+- `export_run` plans the output deterministically, runs `pipeline.stages.export.tasks` (one task
+  per input shard, one per output shard) for `wds`, or writes `uids.npy` / `keys.parquet`.
+- DIR is refused when it holds anything but an unfinished export of the same plan
+  (`ExportConflictError`) unless `overwrite`; the same plan resumes, so a killed export rerun
+  leaves every kept key exactly once. `_export.json` (the summary) is written last.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Export stage (Ray part of `pipeline.stages.export.driver`): kept pairs of the input tars ->
-webdataset shards.
+webdataset shards (docs/architecture.md §4.10).
 
 Contract:
-- `write_shard_part(shard, ...)`: one task per input shard. It reads the shard's label table
-  (only the kept rows, `kept_filter`), streams the input tar once with the project's safe reader
-  (`iter_shard_records`: allow-listed members only, nothing decoded or unpickled) and appends
-  every kept sample's members to `<out>/_parts/<shard>.tarpart` as raw tar blocks (512-byte
-  headers + data + padding, no end-of-archive marker), so parts concatenate byte for byte.
-  Image and text members are copied unchanged; `{key}.json` is the input json extended with
-  `ncl_soft_label`, `ncl_subset`, `ncl_round` and, when it has none, `uid` (under
-  `input.sources` its `key` is the member's, `<source>/<key>`, as in the tables). Samples stay in
-  tar order. `<out>/_parts/<shard>.json` (written last, atomically) is the part's completion
-  marker: kept count, per-subset counts and the byte offset of every sample in the part.
-  A kept key missing from the tar is an error (the tar changed since the labels were made).
-- `assemble_output_shard(name, ranges, ...)`: one task per output shard: concatenates its byte
-  ranges of the parts, appends the end-of-archive marker, writes `<out>/<name>.tar`
-  atomically, then `<out>/<name>_stats.json` (img2dataset's shard stats).
-- Both are idempotent: a rerun skips work whose output exists, so a killed export resumes and
-  every kept key ends up exactly once (the plan in `pipeline.stages.export.driver` is
-  deterministic).
+- `write_shard_part(shard, ...)`: one task per input shard; streams the tar once with the safe
+  reader and appends each kept sample's members, as raw tar blocks, to
+  `<out>/_parts/<shard>.tarpart` (image and text bytes unchanged, the json extended);
+  `<out>/_parts/<shard>.json`, written last, is the part's completion marker.
+- `assemble_output_shard(name, ranges, ...)`: one task per output shard; concatenates its byte
+  ranges of the parts plus the end-of-archive marker into `<out>/<name>.tar` (atomically), then
+  `<name>_stats.json`.
+- Both are idempotent: a rerun skips work whose output exists.
 """
 
 from __future__ import annotations
