@@ -11,19 +11,13 @@ import textwrap
 from pathlib import Path
 
 from fresh_interpreter import run_fresh
+from test_config import MINIMAL
 
 from pipeline.config import TrainConfig
 from pipeline.models import ModelSpec
 from pipeline.stages.train import TrainSpec, ViewSpec
 
 ROOT = Path(__file__).resolve().parents[1]
-
-MINIMAL_JOB = """
-name: t
-input: {shards: "data/x/{00000..00001}.tar"}
-output: runs/t
-model: {name: ncl-tiny, pretrained: null}
-"""
 
 
 def test_label_pass_workers_import_no_torch():
@@ -94,7 +88,7 @@ def test_checking_a_job_file_imports_neither_torch_nor_ray(tmp_path):
     second: torch, open_clip and Ray load only for the commands that use them, and the CLI
     recognises an error meant for the user (`UserError`) without importing where it came from."""
     job = tmp_path / "job.yaml"
-    job.write_text(MINIMAL_JOB)
+    job.write_text(MINIMAL)
     script = (
         "import sys\n"
         "from typer.testing import CliRunner\n"
