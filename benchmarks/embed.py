@@ -158,24 +158,18 @@ def main() -> None:
     }
     for name, value in med.items():
         emit(f"pairs_per_s.{name}", median=round(value, 1), **common)
+    against = (("embed_efficiency", "forward", 0.85), ("embed_vs_hand_loop", "hand_loop", 1.0))
     for decode in args.decode:
         steady, e2e = med[f"pipeline_steady.{decode}"], med[f"pipeline_e2e.{decode}"]
-        emit(
-            "embed_efficiency",
-            decode=decode,
-            ratio=round(steady / med["forward"], 3),
-            ratio_end_to_end=round(e2e / med["forward"], 3),
-            bar=0.85,
-            **common,
-        )
-        emit(
-            "embed_vs_hand_loop",
-            decode=decode,
-            ratio=round(steady / med["hand_loop"], 3),
-            ratio_end_to_end=round(e2e / med["hand_loop"], 3),
-            bar=1.0,
-            **common,
-        )
+        for figure, base, bar in against:
+            ratios = {"ratio": steady / med[base], "ratio_end_to_end": e2e / med[base]}
+            emit(
+                figure,
+                decode=decode,
+                **{k: round(v, 3) for k, v in ratios.items()},
+                bar=bar,
+                **common,
+            )
 
 
 if __name__ == "__main__":
