@@ -396,3 +396,27 @@ def test_histogram_errors():
     with pytest.raises(ValueError, match="no finite losses"):
         fit_mixture(np.array([np.nan, np.inf]), "gmm")
     assert not hist.counts.flags.writeable
+
+
+def test_inspect_and_the_report_show_one_fit_with_the_same_numbers():
+    """`ncl-pipeline inspect` (a label table's metadata) and the report (metrics.json's label
+    pass summary, the fit without its trace) render a fit with one text, in loss units."""
+    from pipeline.reporting.inspect import _fit_line
+    from pipeline.reporting.story import _fit_text
+
+    losses, is_clean = synthetic_losses(6000, 0.4, seed=3)
+    lo, hi = histogram_range(losses)
+    fit = fit_gmm(build_histogram(losses, lo, hi))
+    text = fit.describe()
+    clean = float(text.split("clean mean ")[1].split()[0])
+    noisy = float(text.split("noisy mean ")[1].split()[0])
+    assert abs(clean - losses[is_clean].mean()) < 0.1  # loss units, not [0, 1]
+    assert abs(noisy - losses[~is_clean].mean()) < 0.1
+    summary = {k: v for k, v in fit.to_dict().items() if k != "log_likelihood_trace"}
+    assert _fit_text(json.loads(json.dumps(summary))) == text
+    assert _fit_line("gmm", json.loads(json.dumps(fit.to_dict()))).startswith(
+        f"  gmm      {text} |"
+    )
+    flat = fit_gmm(build_histogram(np.full(10, 2.0), 2.0, 2.0))
+    assert flat.no_spread and _fit_text(flat.to_dict()) == flat.describe()
+    assert _fit_line("gmm", flat.to_dict()) == f"  gmm      {flat.describe()}"

@@ -21,15 +21,14 @@ QUANTILES = (0.0, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
 
 def _fit_line(name: str, fit: dict[str, Any]) -> str:
-    if fit.get("no_spread"):
-        return f"  {name:<8} no loss spread: every sample clean (n={fit['n']})"
-    clean, noisy = fit["clean_component"], 1 - fit["clean_component"]
-    text = (
-        f"  {name:<8} clean mean {fit['means'][clean]:.3f} weight {fit['weights'][clean]:.2f} | "
-        f"noisy mean {fit['means'][noisy]:.3f} weight {fit['weights'][noisy]:.2f} | "
-        f"{fit['iterations']} it"
-    )
-    flags = [flag for flag in ("converged", "collapsed") if fit.get(flag)]
+    """One fit as the report shows it (`MixtureFit.describe`), plus how EM ended."""
+    from pipeline.core.mixture.fit import MixtureFit
+
+    mixture = MixtureFit.from_dict(fit)
+    if mixture.no_spread:
+        return f"  {name:<8} {mixture.describe()}"
+    flags = [flag for flag in ("converged", "collapsed") if getattr(mixture, flag)]
+    text = f"  {name:<8} {mixture.describe()} | {mixture.iterations} it"
     return text + (f" ({', '.join(flags)})" if flags else "")
 
 

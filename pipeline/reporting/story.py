@@ -24,20 +24,11 @@ def _share(subsets: dict | None) -> str:
 
 
 def _fit_text(fit: dict | None) -> str:
-    """`clean 2.1 (61%), noisy 4.0 (39%)` from a mixture fit summary (means of the losses)."""
-    if not fit or fit.get("no_spread") or fit.get("means") is None:
-        return "no spread"
-    clean = fit.get("clean_component", 0)
-    noisy = 1 - clean
-    lo, hi = fit.get("lo", 0.0), fit.get("hi", 1.0)
+    """A label pass's mixture fit summary as `ncl-pipeline inspect` prints it
+    (`MixtureFit.describe`: component means in loss units)."""
+    from pipeline.core.mixture.fit import MixtureFit
 
-    def mean(k):  # the fit lives on min-max normalised losses
-        return lo + fit["means"][k] * (hi - lo)
-
-    return (
-        f"clean {mean(clean):.2f} ({100 * fit['weights'][clean]:.0f}%), "
-        f"noisy {mean(noisy):.2f} ({100 * fit['weights'][noisy]:.0f}%)"
-    )
+    return MixtureFit.from_dict(fit).describe() if fit else "–"
 
 
 def summary_html(metrics: dict | None, meta: dict[str, str], manifest: dict | None) -> str:

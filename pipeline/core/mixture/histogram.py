@@ -20,6 +20,7 @@ __all__ = [
     "LossHistogram",
     "as_float_array",
     "build_histogram",
+    "denormalise",
     "has_spread",
     "histogram_range",
     "merge_histograms",
@@ -70,6 +71,11 @@ class LossHistogram:
 def _scale(lo: float, hi: float) -> float:
     """Denominator of the min-max normalisation, floored (docs/methods.md §2.2)."""
     return max(hi - lo, RANGE_FLOOR * max(1.0, abs(hi)))
+
+
+def denormalise(x: float, lo: float, hi: float) -> float:
+    """The loss at normalised position `x` of [lo, hi]: the inverse of `normalise_losses`."""
+    return lo + x * _scale(lo, hi)
 
 
 def has_spread(lo: float, hi: float) -> bool:

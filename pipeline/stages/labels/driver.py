@@ -241,9 +241,7 @@ def _write_mixture(spec: LabelSpec, fits: dict[str, MixtureFit]) -> dict[str, An
     write_json_atomic(mixture, RunLayout(spec.output).mixture(spec.round_index, spec.view))
     configured = fits[spec.mixture_kind]
     logger.debug(
-        f"labels: {spec.mixture_kind.upper()} on {spec.labels.loss}: clean mean "
-        f"{_component(configured, 'clean')}, noisy mean {_component(configured, 'noisy')}"
-        + (" (no loss spread)" if configured.no_spread else "")
+        f"labels: {spec.mixture_kind.upper()} on {spec.labels.loss}: {configured.describe()}"
     )
     return mixture
 
@@ -366,13 +364,6 @@ def _summary(spec, shards, missing, total, results, fits, partition, index_info)
         summary["quality"] = quality_from_parts([r["quality"] for r in results if "quality" in r])
         _log_quality(summary["quality"], summary)
     return summary
-
-
-def _component(fit: MixtureFit, which: str) -> str:
-    if fit.no_spread or fit.means is None or fit.weights is None:
-        return "n/a"
-    index = fit.clean_component if which == "clean" else fit.noisy_component
-    return f"{fit.means[index]:.3f} (weight {fit.weights[index]:.2f})"
 
 
 def _fit_summary(fit: MixtureFit) -> dict[str, Any]:
