@@ -150,3 +150,26 @@ def test_sample_rows_reads_every_kth_row_batch_by_batch(tmp_path):
     assert sorted(sample.column("id").to_pylist()) == list(range(0, 3000, 5))
     whole, stride = sample_rows(dataset, ["id"], 3000)
     assert stride == 1 and whole.num_rows == 3000
+
+
+def test_paths_and_urls_resolve_alike_on_a_local_disk_and_an_object_store(tmp_path):
+    """io.paths names a file so any fsspec call finds it again; the reader, the loaders, the
+    report and the run state all name label folders through it."""
+    import fsspec
+
+    from pipeline.io.layout import run_dir_of
+    from pipeline.io.paths import arrow_filesystem, as_url, filesystem, parquet_files
+
+    for root in (str(tmp_path / "run"), "memory://ncl-paths/run"):
+        fs, folder = filesystem(f"{root}/labels")
+        fs.makedirs(folder, exist_ok=True)
+        for name in ("00001.parquet", "00000.parquet", "_label_pass.parquet", ".hidden.parquet"):
+            fs.pipe_file(f"{folder}/{name}", b"x")
+        files = parquet_files(fs, folder)
+        assert [p.rsplit("/", 1)[-1] for p in files] == ["00000.parquet", "00001.parquet"]
+        url = as_url(fs, files[0])
+        assert fsspec.core.url_to_fs(url)[1] == files[0] and url.startswith(root.split(":")[0])
+        assert (arrow_filesystem(fs) is None) == (not root.startswith("memory://"))
+        assert filesystem(run_dir_of(as_url(fs, folder)))[1] == filesystem(root)[1]
+    assert run_dir_of("s3://b/run/labels/gen-3") == "s3://b/run"
+    assert run_dir_of("/r/rounds/2/labels_a") == "/r"

@@ -46,12 +46,10 @@ class LabelSelect:
             source: the `input.sources` name of the tars this predicate reads (None: a run
                 over `input.shards`).
         """
-        from pipeline.clients.read import labels_folder
+        from pipeline.clients.read import labels_folder_url
 
-        fs, folder = labels_folder(run)  # fails early, naming the path, when there are no tables
-        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-        prefix = "" if protocol in ("file", "local") else f"{protocol}://"
-        self.folder = f"{prefix}{folder}"
+        # Fails early, naming the path, when there are no tables.
+        self.folder = labels_folder_url(run)
         self.min_label = float(min_label)
         self.subsets = tuple(subsets) if subsets else None
         self.cache_shards = cache_shards

@@ -28,6 +28,7 @@ from pipeline.io.labels import (
     READABLE_SCHEMA_NAMES,
     labelling_view,
 )
+from pipeline.io.paths import arrow_filesystem, as_url, filesystem, parquet_files
 
 __all__ = [
     "LabelTableError",
@@ -43,22 +44,6 @@ class LabelTableError(UserError, ValueError):
     """The path holds no label tables, or a file that is not a readable label table."""
 
 
-def _fs(path: str):
-    import fsspec
-
-    return fsspec.core.url_to_fs(path)
-
-
-def _parquet_files(fs, folder: str) -> list[str]:
-    if not fs.isdir(folder):
-        return []
-    return sorted(
-        p
-        for p in fs.ls(folder, detail=False)
-        if p.endswith(".parquet") and not os.path.basename(p).startswith((".", "_"))
-    )
-
-
 def labels_folder(path: str | os.PathLike, view: str | None = None) -> tuple[object, str]:
     """Resolve `path` to (filesystem, folder of label tables).
 
@@ -70,18 +55,18 @@ def labels_folder(path: str | os.PathLike, view: str | None = None) -> tuple[obj
     Raises:
         LabelTableError: nothing matching holds label tables.
     """
-    fs, root = _fs(os.fspath(path))
+    fs, root = filesystem(path)
     root = root.rstrip("/")
     for candidate in (f"{root}/labels", root):
         generation = current_generation(fs, candidate)
         if generation is not None:
-            if not _parquet_files(fs, f"{candidate}/{generation}"):
+            if not parquet_files(fs, f"{candidate}/{generation}"):
                 raise LabelTableError(
                     f"{candidate}/_CURRENT names {generation}, which holds no label tables "
                     "(removed by hand? rerun the job to publish again)"
                 )
             return fs, f"{candidate}/{generation}"
-        if _parquet_files(fs, candidate):
+        if parquet_files(fs, candidate):
             return fs, candidate
     if fs.isdir(root):
         names = sorted(
@@ -91,7 +76,7 @@ def labels_folder(path: str | os.PathLike, view: str | None = None) -> tuple[obj
         )
         if view is not None:
             names = [n for n in names if n == f"labels_{view}"]
-        names = [n for n in names if _parquet_files(fs, f"{root}/{n}")]
+        names = [n for n in names if parquet_files(fs, f"{root}/{n}")]
         if len(names) == 1:
             return fs, f"{root}/{names[0]}"
         if names:
@@ -109,17 +94,15 @@ def labels_folder_url(path: str | os.PathLike, view: str | None = None) -> str:
     object store (`s3://bucket/run/labels`; the filesystem's own paths drop the scheme and
     would read as local), the plain path on a local disk."""
     fs, folder = labels_folder(path, view)
-    return folder if "file" in fs.protocol else fs.unstrip_protocol(folder)
+    return as_url(fs, folder)
 
 
 def label_files(path: str | os.PathLike, view: str | None = None) -> dict[str, str]:
     """{shard: path of its label table} under `path` (`labels_folder`'s rules, resolved once),
     each path as any fsspec call resolves it (the URL on an object store)."""
     fs, folder = labels_folder(path, view)
-    local = "file" in fs.protocol
     return {
-        os.path.basename(p)[: -len(".parquet")]: p if local else fs.unstrip_protocol(p)
-        for p in _parquet_files(fs, folder)
+        os.path.basename(p)[: -len(".parquet")]: as_url(fs, p) for p in parquet_files(fs, folder)
     }
 
 
@@ -141,7 +124,7 @@ def read_labels(path: str | os.PathLike, *, view: str | None = None) -> ds.Datas
     import pyarrow.parquet as pq
 
     fs, folder = labels_folder(path, view)
-    files = _parquet_files(fs, folder)
+    files = parquet_files(fs, folder)
     for name in files:
         with fs.open(name, "rb") as handle:
             metadata = pq.read_schema(handle).metadata or {}
@@ -151,9 +134,8 @@ def read_labels(path: str | os.PathLike, *, view: str | None = None) -> ds.Datas
                 f"{name} is not a {' or '.join(READABLE_SCHEMA_NAMES)} label table "
                 f"(ncl.schema={found or 'none'})"
             )
-    local = getattr(fs, "protocol", None) in ("file", ("file", "local"))
     return ds.dataset(
-        files, schema=LABELS_SCHEMA, format="parquet", filesystem=None if local else fs
+        files, schema=LABELS_SCHEMA, format="parquet", filesystem=arrow_filesystem(fs)
     )
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "RUN_STATE_FIELD",
     "STAGE_KEY_META",
     "RunLayout",
+    "run_dir_of",
 ]
 
 # Embeddings footer: the run-state key its shard was embedded under (pipeline.run.state), the
@@ -140,3 +141,14 @@ class RunLayout:
         """Written last by training (the round's summary; whether the round is complete and
         current is the run state's record in manifest.json, `pipeline.run.state`)."""
         return self._join("rounds", round_index, "checkpoints", "train_summary.json")
+
+
+def run_dir_of(label_folder: str) -> str:
+    """The run directory of a folder of label tables: the parent of `labels/` (or of
+    `labels/gen-<n>/`), or of `rounds/<r>/labels_<view>/`."""
+    parts = label_folder.rstrip("/").split("/")
+    if len(parts) >= 3 and parts[-3] == "rounds":
+        return "/".join(parts[:-3])
+    if len(parts) >= 2 and parts[-2] == "labels" and parts[-1].startswith(LABELS_GENERATION_PREFIX):
+        return "/".join(parts[:-2])
+    return "/".join(parts[:-1])

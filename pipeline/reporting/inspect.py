@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.io.layout import LABELS_GENERATION_PREFIX
+from pipeline.io.layout import run_dir_of
 
 __all__ = ["inspect_run", "quarantine_lines"]
 
@@ -34,16 +34,16 @@ def _fit_line(name: str, fit: dict[str, Any]) -> str:
 
 def quarantine_lines(run_dir: str) -> list[str]:
     """One line: the quarantine's rows, files and count per reason (`quarantine/*.parquet`)."""
-    import fsspec
     import pyarrow.dataset as ds
 
-    fs, root = fsspec.core.url_to_fs(os.fspath(run_dir))
+    from pipeline.io.paths import arrow_filesystem, filesystem
+
+    fs, root = filesystem(run_dir)
     folder = f"{root.rstrip('/')}/quarantine"
     files = [p for p in fs.glob(f"{folder}/*.parquet")] if fs.isdir(folder) else []
     if not files:
         return ["quarantine: none recorded"]
-    local = getattr(fs, "protocol", None) in ("file", ("file", "local"))
-    table = ds.dataset(files, format="parquet", filesystem=None if local else fs).to_table(
+    table = ds.dataset(files, format="parquet", filesystem=arrow_filesystem(fs)).to_table(
         columns=["reason"]
     )
     reasons = table.column("reason").to_pylist()
@@ -154,17 +154,6 @@ def inspect_run(path: str | os.PathLike, *, view: str | None = None) -> str:
                 cells = [q.get(key) for key in ("auroc", "spearman", "precision", "recall")]
                 text = " / ".join("-" if c is None else f"{c:.3f}" for c in cells)
                 lines.append(f"  {name:<18} {text}")
-    run_dir = _run_dir_of(folder)
+    run_dir = run_dir_of(folder)
     lines += quarantine_lines(run_dir)
     return "\n".join(lines)
-
-
-def _run_dir_of(folder: str) -> str:
-    """The run directory of a label folder: parent of labels/ (or of labels/gen-<n>), or of
-    rounds/<r>/labels_<v>."""
-    parts = folder.rstrip("/").split("/")
-    if len(parts) >= 3 and parts[-3] == "rounds":
-        return "/".join(parts[:-3])
-    if len(parts) >= 2 and parts[-2] == "labels" and parts[-1].startswith(LABELS_GENERATION_PREFIX):
-        return "/".join(parts[:-2])
-    return "/".join(parts[:-1])

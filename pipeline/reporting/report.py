@@ -525,14 +525,14 @@ def write_report(
 
     from pipeline.clients.read import label_table_metadata, labels_folder_url, read_labels
     from pipeline.core.labels import SCORE_COLUMNS
+    from pipeline.io.layout import run_dir_of
     from pipeline.io.tables import read_json, sample_rows
-    from pipeline.reporting.inspect import _run_dir_of
     from pipeline.reporting.story import rounds_figure, story_html, summary_html
 
     plt = _pyplot()
     dataset = read_labels(run_dir, view=view)
     folder = labels_folder_url(run_dir, view)
-    root = _run_dir_of(folder)
+    root = run_dir_of(folder)
     fs, _ = fsspec.core.url_to_fs(root)
     out = f"{root}/report"
     fs.makedirs(f"{out}/thumbs", exist_ok=True)

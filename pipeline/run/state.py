@@ -515,13 +515,11 @@ def _listing(folder: str) -> set[str]:
 
 def _published_folder(labels_root: str) -> str:
     """The generation of `labels/` that readers see (pipeline.io.generations)."""
-    import fsspec
-
     from pipeline.io.generations import current_labels_folder
+    from pipeline.io.paths import as_url, filesystem
 
-    fs, root = fsspec.core.url_to_fs(labels_root)
-    folder = current_labels_folder(fs, root)
-    return folder if "file" in fs.protocol else fs.unstrip_protocol(folder)
+    fs, root = filesystem(labels_root)
+    return as_url(fs, current_labels_folder(fs, root))
 
 
 def outputs_present(layout, node: StageNode, shards: Collection[str]) -> bool:
