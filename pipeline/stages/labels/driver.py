@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.core.mixture.fit import MixtureFit, fit_bmm, fit_gmm, merge_histograms, merge_ranges
+from pipeline.core.mixture.fit import MIXTURES, MixtureFit, merge_histograms, merge_ranges
 from pipeline.core.partition.decisions import PartitionDecisions
 from pipeline.core.partition.select import radix_select
 from pipeline.core.search.index_factory import auto_factory
@@ -70,6 +70,14 @@ def _map(fn, spec: LabelSpec, shards: list[str], *per_shard, shared=()) -> list:
     )
 
 
+# A pass's fits, per loss they are fitted on: (the fit's name, its kind in MIXTURES).
+FITS = {
+    "loss": (("bmm", "bmm"), ("gmm", "gmm")),
+    "i2t": (("gmm_i2t", "gmm"),),
+    "t2i": (("gmm_t2i", "gmm"),),
+}
+
+
 def _fit_mixtures(spec: LabelSpec, shards: list[str], infos: list[dict]) -> dict[str, MixtureFit]:
     """Steps 1-2: corpus-wide loss ranges, histograms per shard, fits on the driver (O(bins))."""
     ranges = {}
@@ -80,15 +88,15 @@ def _fit_mixtures(spec: LabelSpec, shards: list[str], infos: list[dict]) -> dict
         ranges[name] = merged
     histograms = _map(shard_tasks.histogram_task, spec, shards, shared=(ranges,))
     fits: dict[str, MixtureFit] = {}
-    for name, fitted in (("loss", ("bmm", "gmm")), ("i2t", ("gmm_i2t",)), ("t2i", ("gmm_t2i",))):
+    for name, fitted in FITS.items():
         parts = [h[name] for h in histograms if name in h]
         if not parts:
             raise ValueError(f"no finite {name} loss in any shard: cannot fit a mixture")
         hist = parts[0]
         for other in parts[1:]:
             hist = merge_histograms(hist, other)
-        for fit_name in fitted:
-            fits[fit_name] = fit_bmm(hist) if fit_name == "bmm" else fit_gmm(hist)
+        for fit_name, kind in fitted:
+            fits[fit_name] = MIXTURES[kind](hist)
     return fits
 
 
