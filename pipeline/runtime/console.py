@@ -118,7 +118,7 @@ def setup_console(verbose: bool = False) -> None:
     for key, value in QUIET_RAY_ENV.items():
         os.environ.setdefault(key, value)  # read when Ray (Data) starts; a user's choice stands
     # Ray Data reads its level when imported: if that was before this call, set it here too.
-    logging.getLogger("ray.data").setLevel(os.environ["RAY_DATA_LOG_LEVEL"])
+    logging.getLogger("ray.data").setLevel(os.environ["RAY_DATA_LOG_LEVEL"].upper())
     if _STATE["live"] is None and _is_terminal() and os.environ.get("NCL_PROGRESS") != "lines":
         _STATE["live"] = _LiveBars()
 
