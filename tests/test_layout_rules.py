@@ -260,3 +260,47 @@ def test_core_does_not_import_ray():
     )
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert int(out.stdout) >= 15  # the walk found the package's modules (labels/ included)
+
+
+# --------------------------------------------------------------------------- marker file names
+
+
+def _marker_literals(source: str, names: set[str]) -> list[str]:
+    """String literals (docstrings aside) that spell one of `names` as a file name."""
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in docstrings
+        and any(node.value == name or node.value.endswith(f"/{name}") for name in names)
+    ]
+
+
+def test_marker_file_names_are_spelled_once_in_io_layout():
+    from pipeline.io import layout
+
+    names = {
+        layout.MANIFEST_NAME,
+        layout.LEASE_NAME,
+        layout.LABEL_PASS_SUMMARY,
+        layout.FILTER_SUMMARY,
+        layout.INDEX_DESCRIPTION,
+        layout.LABELS_POINTER,
+    }
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        literals = _marker_literals(path.read_text(), names)
+        if literals and path != PACKAGE / "io" / "layout.py":
+            found[str(path.relative_to(PACKAGE))] = literals
+    assert not found, f"marker file names spelled outside pipeline/io/layout.py: {found}"
+    assert _marker_literals('x = f"{folder}/_label_pass.json"\n', names) == ["/_label_pass.json"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import uuid
 
-from pipeline.io.layout import LABELS_GENERATION_PREFIX, LABELS_POINTER
+from pipeline.io.layout import LABEL_PASS_SUMMARY, LABELS_GENERATION_PREFIX, LABELS_POINTER
 
 __all__ = [
     "current_generation",
@@ -29,7 +29,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FLAT_NAMES = (".parquet", "_label_pass.json")  # what a flat labels/ holds
+FLAT_NAMES = (".parquet", LABEL_PASS_SUMMARY)  # what a flat labels/ holds
 
 
 def _generation_number(name: str) -> int | None:

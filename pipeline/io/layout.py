@@ -13,6 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "FILTER_SUMMARY",
+    "INDEX_DESCRIPTION",
+    "LABEL_PASS_SUMMARY",
+    "LEASE_NAME",
+    "MANIFEST_NAME",
     "LABELS_POINTER",
     "LABELS_GENERATION_PREFIX",
     "RUN_STATE_FIELD",
@@ -33,6 +38,13 @@ RUN_STATE_FIELD = "run_state"
 # line naming it) so a reader never sees two runs' rows together (pipeline.io.generations).
 LABELS_POINTER = "_CURRENT"
 LABELS_GENERATION_PREFIX = "gen-"
+# Marker and summary files. A leading '_' keeps them out of dataset readers (pyarrow, Spark).
+MANIFEST_NAME = "manifest.json"  # the run's record (pipeline.run.manifest)
+LEASE_NAME = "_lease.json"  # the run writing the directory (pipeline.run.lease)
+# A label pass's summary beside its tables, and the published generation's (written last)
+LABEL_PASS_SUMMARY = "_label_pass.json"
+FILTER_SUMMARY = "_filter.json"  # the cosine-filter tables' summary, written last
+INDEX_DESCRIPTION = "_index.json"  # what a round's index folder holds
 
 
 @dataclass(frozen=True)
@@ -47,13 +59,13 @@ class RunLayout:
 
     @property
     def manifest(self) -> str:
-        return self._join("manifest.json")
+        return self._join(MANIFEST_NAME)
 
     @property
     def lease(self) -> str:
         """The lease of the run writing this directory (pipeline.run.lease); absent when
         none runs."""
-        return self._join("_lease.json")
+        return self._join(LEASE_NAME)
 
     @property
     def metrics(self) -> str:

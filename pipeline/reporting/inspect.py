@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.io.layout import run_dir_of
+from pipeline.io.layout import LABEL_PASS_SUMMARY, run_dir_of
 
 __all__ = ["inspect_run", "quarantine_lines"]
 
@@ -140,7 +140,7 @@ def inspect_run(path: str | os.PathLike, *, view: str | None = None) -> str:
             f"threshold {mixture.get('threshold', '?')}):"
         )
         lines += [_fit_line(name, fit) for name, fit in fits.items()]
-    summary = read_json(f"{folder}/_label_pass.json")
+    summary = read_json(f"{folder}/{LABEL_PASS_SUMMARY}")
     if summary:
         partition = summary.get("partition") or {}
         for name, flags in partition.items():

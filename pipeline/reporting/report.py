@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.io.layout import LABEL_PASS_SUMMARY, MANIFEST_NAME
+
 __all__ = ["write_report"]
 
 GALLERY_SIZE = 12  # pairs per gallery
@@ -155,7 +157,7 @@ def _ground_truth_path(ground_truth, summary, run_dir) -> str | None:
     from pipeline.io.tables import file_exists, read_json
 
     candidates = [ground_truth, (summary or {}).get("ground_truth")]
-    manifest = read_json(f"{run_dir}/manifest.json") or {}
+    manifest = read_json(f"{run_dir}/{MANIFEST_NAME}") or {}
     candidates.append(((manifest.get("job") or {}).get("eval") or {}).get("ground_truth"))
     for path in candidates:
         if path and file_exists(path):
@@ -537,7 +539,7 @@ def write_report(
     out = f"{root}/report"
     fs.makedirs(f"{out}/thumbs", exist_ok=True)
     meta = label_table_metadata(dataset)
-    summary = read_json(f"{folder}/_label_pass.json")
+    summary = read_json(f"{folder}/{LABEL_PASS_SUMMARY}")
     columns = ["key", "shard", "caption", "soft_label", "clean_prob", "subset", "loss", "cosine"]
     columns += ["image_anchor_key", "text_anchor_key", *SCORE_COLUMNS]
     table, stride = sample_rows(dataset, columns, max_rows)
@@ -565,7 +567,7 @@ def write_report(
     shown = [int(row) for *_, rows in galleries for row in rows]
     evidence = _method_evidence(table, shown, meta, root)
     parts = {
-        "summary": summary_html(metrics, meta, read_json(f"{root}/manifest.json"))
+        "summary": summary_html(metrics, meta, read_json(f"{root}/{MANIFEST_NAME}"))
         + (
             f"<p>Figures and galleries: 1 pair in {stride} ({table.num_rows:,} pairs).</p>"
             if stride > 1

@@ -19,7 +19,7 @@ import datetime as _dt
 import json
 import logging
 
-from pipeline.io.layout import RUN_STATE_FIELD, RunLayout
+from pipeline.io.layout import LABEL_PASS_SUMMARY, RUN_STATE_FIELD, RunLayout
 
 __all__ = ["DAMAGED_SUFFIX", "REBUILT", "read_manifest", "rebuild_stages"]
 
@@ -59,8 +59,8 @@ def _summaries(layout: RunLayout) -> list[str]:
     paths = [layout.keys_summary]
     for r in rounds:
         paths.append(layout.train_summary(r))
-        paths += [f"{layout.labels_round_dir(r, view)}/_label_pass.json" for view in ("a", "b")]
-    paths.append(f"{_published_folder(layout.labels_dir)}/_label_pass.json")
+        paths += [f"{layout.labels_round_dir(r, v)}/{LABEL_PASS_SUMMARY}" for v in ("a", "b")]
+    paths.append(f"{_published_folder(layout.labels_dir)}/{LABEL_PASS_SUMMARY}")
     return paths
 
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.io.layout import STAGE_KEY_META
+from pipeline.io.layout import LABEL_PASS_SUMMARY, STAGE_KEY_META
 
 __all__ = [
     "DEPENDS_ON",
@@ -538,5 +538,5 @@ def outputs_present(layout, node: StageNode, shards: Collection[str]) -> bool:
             else layout.labels_round_dir(r, node.stage.rsplit("_", 1)[-1])
         )
         have = _listing(folder)
-        return "_label_pass.json" in have and all(f"{s}.parquet" in have for s in shards)
+        return LABEL_PASS_SUMMARY in have and all(f"{s}.parquet" in have for s in shards)
     return True

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.config import JobConfig
-from pipeline.io.layout import RunLayout
+from pipeline.io.layout import FILTER_SUMMARY, RunLayout
 from pipeline.io.shards import DecodeOptions, expand_shard_patterns, shard_name
 from pipeline.io.tables import read_json, write_json_atomic
 from pipeline.models import ModelSpec
@@ -170,7 +170,7 @@ def _cosine_filter(job: JobConfig, layout: RunLayout, sizes: dict[str, int], rou
         fraction = float(np.mean(weights))
     folder = f"{layout.round_dir(1)}/labels_cosine_filter"
     # Round 1's training writes it (and its clear() deletes it first); later rounds read it.
-    if round_index > 1 and file_exists(f"{folder}/_filter.json"):
+    if round_index > 1 and file_exists(f"{folder}/{FILTER_SUMMARY}"):
         return folder, {s: pq.read_metadata(f"{folder}/{s}.parquet").num_rows for s in sizes}
     scorer = job.filter_scorer()
     # Round 0 embeds one view (the initial model, 'a'); round 1 the two warmed models.
@@ -178,5 +178,5 @@ def _cosine_filter(job: JobConfig, layout: RunLayout, sizes: dict[str, int], rou
     embeddings = {shard: layout.embeddings(scored_round, shard) for shard in sizes}
     kept = write_cosine_filter(embeddings, folder, fraction, columns)
     summary = {"fraction": fraction, "scorer": scorer, "kept": kept}
-    write_json_atomic(summary, f"{folder}/_filter.json")
+    write_json_atomic(summary, f"{folder}/{FILTER_SUMMARY}")
     return folder, kept

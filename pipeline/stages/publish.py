@@ -26,7 +26,7 @@ import pyarrow as pa
 from pipeline.core.labels import SCORE_COLUMNS
 from pipeline.io.ground_truth import quality_arrays, quality_from_parts
 from pipeline.io.labels import LABELS_SCHEMA, LABELS_SCHEMA_NAME, SUBSET_VALUES, uid_of
-from pipeline.io.layout import RUN_STATE_FIELD
+from pipeline.io.layout import LABEL_PASS_SUMMARY, RUN_STATE_FIELD
 from pipeline.io.tables import read_json, read_table, write_json_atomic, write_table_atomic
 from pipeline.runtime.progress import Progress, as_completed
 
@@ -34,7 +34,7 @@ __all__ = ["publish_labels", "LabelViewMismatchError"]
 
 logger = logging.getLogger(__name__)
 
-SUMMARY_NAME = "_label_pass.json"
+SUMMARY_NAME = LABEL_PASS_SUMMARY
 # The registry's score columns are averaged too: a new method's column needs no change here.
 AVERAGED = ("soft_label", "clean_prob", "loss", "cosine", *SCORE_COLUMNS)
 ID_COLUMNS = ("uid", "image_sha256")  # labels.v2: filled from the embeddings table

@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from pipeline.errors import UserError
 from pipeline.io.labels import READABLE_SCHEMA_NAMES, SUBSET_VALUES, uid_of
+from pipeline.io.layout import MANIFEST_NAME
 from pipeline.io.tables import TEMP_SUFFIX, open_atomic, read_json, write_json_atomic
 
 __all__ = [
@@ -474,5 +475,5 @@ def format_summary(summary: dict[str, Any], model: str | None = None) -> str:
 
 def run_model_name(run: str) -> str | None:
     """The run's model name from its manifest.json, when there is one."""
-    manifest = read_json(f"{run.rstrip('/')}/manifest.json") or {}
+    manifest = read_json(f"{run.rstrip('/')}/{MANIFEST_NAME}") or {}
     return ((manifest.get("job") or {}).get("model") or {}).get("name")

@@ -33,7 +33,7 @@ from pipeline.core.partition.select import radix_select
 from pipeline.core.search.index_factory import auto_factory
 from pipeline.io.ground_truth import quality_from_parts
 from pipeline.io.labels import SUBSET_VALUES
-from pipeline.io.layout import RUN_STATE_FIELD, RunLayout
+from pipeline.io.layout import LABEL_PASS_SUMMARY, RUN_STATE_FIELD, RunLayout
 from pipeline.io.tables import file_exists, write_json_atomic
 from pipeline.stages.labels import shard_tasks
 from pipeline.stages.labels.index_actors import (
@@ -49,7 +49,7 @@ __all__ = ["SUMMARY_NAME", "run_label_pass"]
 
 logger = logging.getLogger(__name__)
 
-SUMMARY_NAME = "_label_pass.json"  # leading '_': dataset readers (pyarrow, Spark) skip it
+SUMMARY_NAME = LABEL_PASS_SUMMARY
 TASK_OPTIONS = {"num_cpus": 1, "max_retries": 3}  # shard tasks: atomic, idempotent writes
 
 

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.core.search.neighbours import MODALITIES, ROW_FIELDS, IndexStore, ShardedNeighbours
-from pipeline.io.layout import RunLayout
+from pipeline.io.layout import INDEX_DESCRIPTION, RunLayout
 from pipeline.io.tables import (
     file_exists,
     open_atomic,
@@ -295,5 +295,5 @@ def save_indexes(
         "shard_offsets": [int(o) for o in offsets],
         "job_hash": spec.job_hash,
     }
-    write_json_atomic(description, f"{folder}/_index.json")
+    write_json_atomic(description, f"{folder}/{INDEX_DESCRIPTION}")
     return folder
