@@ -25,6 +25,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.core.labels import SCORE_COLUMNS, SCORE_DESCRIPTIONS
+from pipeline.core.partition.decisions import SUBSETS
 
 __all__ = [
     "LABELS_SCHEMA",
@@ -51,7 +52,7 @@ READABLE_SCHEMA_NAMES = ("labels.v1", "labels.v2", "labels.v3", "labels.v4")
 # the view itself). labels.v1-v3 wrote it under the misleading `ncl.trainee_view`.
 LABELLING_VIEW_KEY = "ncl.labelling_view"
 _OLD_LABELLING_VIEW_KEY = "ncl.trainee_view"
-SUBSET_VALUES = ("clean", "quasi_clean", "noisy")  # `subset` dictionary values
+SUBSET_VALUES = SUBSETS  # `subset` dictionary values: the partition's names, by its int8 codes
 # v2 = v1 + `caption`, `p_hat_img`, `p_hat_txt` appended (the text-direction proxy pair trains)
 SPS_PROXIES_SCHEMA_NAME = "sps_proxies.v2"
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.io.labels import SUBSET_VALUES
 from pipeline.io.layout import LABEL_PASS_SUMMARY, run_dir_of
 
 __all__ = ["inspect_run", "quarantine_lines"]
@@ -69,7 +70,7 @@ def _stream_subsets(dataset) -> tuple[int, dict[str, int], dict[str, float], np.
     for batch in dataset.to_batches(columns=["subset", "soft_label"]):
         soft = batch.column("soft_label").to_numpy(zero_copy_only=False).astype(np.float64)
         subset = batch.column("subset")
-        for name in ("clean", "quasi_clean", "noisy"):
+        for name in SUBSET_VALUES:
             mask = pc.equal(subset, name).to_numpy(zero_copy_only=False)
             counts[name] = counts.get(name, 0) + int(mask.sum())
             sums[name] = sums.get(name, 0.0) + float(np.nansum(soft[mask]))
@@ -122,7 +123,7 @@ def inspect_run(path: str | os.PathLike, *, view: str | None = None) -> str:
         f"job {meta.get('ncl.job_hash')}",
     ]
     lines.append("subsets:")
-    for name in ("clean", "quasi_clean", "noisy"):
+    for name in SUBSET_VALUES:
         count = counts.get(name, 0)
         mean = f", mean soft_label {sums[name] / count:.3f}" if count else ""
         lines.append(f"  {name:<12} {count:>9} ({100.0 * count / max(n, 1):5.1f} %){mean}")

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.io.labels import SUBSET_VALUES
 from pipeline.io.layout import LABEL_PASS_SUMMARY, MANIFEST_NAME
 
 __all__ = ["write_report"]
@@ -43,7 +44,7 @@ REPORT_MAX_ROWS = 1_000_000
 THUMB_SIZE = 112
 SIDES = ("by image: ", "by text: ")  # the anchor-key columns' prefixes in the evidence column
 KIND_COLOURS = {"clean": "tab:green", "partial": "tab:orange", "mismatched": "tab:red"}
-SUBSET_COLOURS = {"clean": "tab:green", "quasi_clean": "tab:orange", "noisy": "tab:red"}
+SUBSET_COLOURS = dict(zip(SUBSET_VALUES, ("tab:green", "tab:orange", "tab:red"), strict=True))
 
 
 def _pyplot():

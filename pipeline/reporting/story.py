@@ -7,9 +7,9 @@ from __future__ import annotations
 import html
 from typing import Any
 
-__all__ = ["rounds_figure", "story_html", "summary_html"]
+from pipeline.io.labels import SUBSET_VALUES
 
-SUBSETS = ("clean", "quasi_clean", "noisy")
+__all__ = ["rounds_figure", "story_html", "summary_html"]
 
 
 def _fmt(value, digits: int = 3) -> str:
@@ -20,7 +20,7 @@ def _share(subsets: dict | None) -> str:
     if not subsets:
         return "–"
     total = sum(subsets.values()) or 1
-    return " / ".join(f"{100 * subsets.get(name, 0) / total:.0f}%" for name in SUBSETS)
+    return " / ".join(f"{100 * subsets.get(name, 0) / total:.0f}%" for name in SUBSET_VALUES)
 
 
 def _fit_text(fit: dict | None) -> str:
