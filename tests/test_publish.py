@@ -202,3 +202,27 @@ def test_a_flat_labels_folder_reads_until_the_next_generations_replace_it(local_
     assert set(read_labels(tmp_path / "run").to_table().column("round").to_pylist()) == {2}
     assert not list(labels.glob("*.parquet"))
     assert sorted(p.name for p in labels.iterdir()) == ["_CURRENT", "gen-1", "gen-2"]
+
+
+@pytest.mark.parametrize("version", READABLE_SCHEMA_NAMES)
+def test_one_opener_reads_every_version_with_its_uids(tmp_path, version):
+    """io.labels.open_label_table (the export's reader): the rows a filter keeps, columns a
+    later version added null, and a labels.v1 table's missing uid as uid_of(key)."""
+    import pyarrow.compute as pc
+
+    from pipeline.io.labels import labels_json_schema, open_label_table, uid_of
+
+    names = [c["name"] for c in labels_json_schema(version)["columns"]]
+    schema = pa.schema([LABELS_SCHEMA.field(n) for n in names], {"ncl.schema": version})
+    table = _view_table(schema, 5, "a")
+    path = str(tmp_path / "00000.parquet")
+    write_table_atomic(table, path, table.schema)
+    columns = ["key", "soft_label", "assign", "uid"]
+    read = open_label_table(path, columns, pc.field("soft_label") >= 0.5)
+    labels = table.column("soft_label").to_pylist()
+    kept = [i for i in range(N) if labels[i] >= 0.5]
+    assert 0 < len(kept) < N and read.column_names == columns
+    assert read.column("key").to_pylist() == [f"k{i}" for i in kept]
+    expected = [uid_of(f"k{i}") if "uid" not in names else f"{i:032x}" for i in kept]
+    assert read.column("uid").to_pylist() == expected
+    assert read.column("assign").null_count == (len(kept) if "assign" not in names else 0)

@@ -10,6 +10,8 @@ Contract:
 - Each version is a prefix of the next or renames file metadata only; readers accept every
   `READABLE_SCHEMA_NAMES` entry (`labelling_view` reads the view under its old key too). The
   version history is in docs/architecture.md §4.4.
+- `open_label_table` reads one table of any readable version as the current schema: columns a
+  later version appended read null, except `uid`, which labels.v1 lacks: `uid_of(key)`.
 - `uid_of`: DataComp's 128-bit uid. `SPS_PROXIES_SCHEMA`: SPS's intermediate table (not a
   contract).
 """
@@ -42,6 +44,7 @@ __all__ = [
     "labelling_view",
     "labels_file_metadata",
     "labels_json_schema",
+    "open_label_table",
     "uid_of",
 ]
 
@@ -175,6 +178,21 @@ def uid_of(key: str, meta_uid: object = None) -> str:
     if isinstance(meta_uid, str) and _UID_RE.match(meta_uid):
         return meta_uid.lower()
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
+
+
+def open_label_table(path: str, columns: list[str], filter: Any = None) -> pa.Table:
+    """`columns` of the label table at `path` (any `READABLE_SCHEMA_NAMES` version), the rows
+    matching `filter` (a pyarrow expression), as `LABELS_SCHEMA` reads them; a null `uid` (a
+    labels.v1 table) is filled with `uid_of(key)`, so `uid` needs `key` among `columns`."""
+    import pyarrow.dataset as ds
+
+    dataset = ds.dataset([path], schema=LABELS_SCHEMA, format="parquet")
+    table = dataset.to_table(columns=columns, filter=filter)
+    if "uid" not in columns or not table.column("uid").null_count:
+        return table
+    keys, uids = table.column("key").to_pylist(), table.column("uid").to_pylist()
+    filled = [u if u is not None else uid_of(k) for u, k in zip(uids, keys, strict=True)]
+    return table.set_column(columns.index("uid"), "uid", pa.array(filled, pa.string()))
 
 
 SPS_PROXIES_SCHEMA = pa.schema(

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.errors import UserError
-from pipeline.io.labels import READABLE_SCHEMA_NAMES, SUBSET_VALUES, uid_of
+from pipeline.io.labels import READABLE_SCHEMA_NAMES, SUBSET_VALUES, open_label_table
 from pipeline.io.layout import MANIFEST_NAME
 from pipeline.io.tables import TEMP_SUFFIX, open_atomic, read_json, write_json_atomic
 
@@ -368,24 +368,12 @@ def _brace_pattern(out: str, names: list[str]) -> str | None:
 
 def _kept_batches(spec: ExportSpec, files: dict[str, str]):
     """(shard, kept table) per label table, in shard order, with uid filled for v1 tables."""
-    import pyarrow.dataset as ds
-
-    from pipeline.io.labels import LABELS_SCHEMA
     from pipeline.stages.export.tasks import kept_filter
 
     keep = kept_filter(spec.min_label, tuple(spec.subsets))
     columns = ["key", "shard", "soft_label", "subset", "round", "uid"]
     for shard in sorted(files):
-        dataset = ds.dataset([files[shard]], schema=LABELS_SCHEMA, format="parquet")
-        table = dataset.to_table(columns=columns, filter=keep)
-        uids = table.column("uid")
-        if uids.null_count:
-            filled = [
-                u if u is not None else uid_of(k)
-                for u, k in zip(uids.to_pylist(), table.column("key").to_pylist(), strict=True)
-            ]
-            table = table.set_column(5, "uid", pa.array(filled, pa.string()))
-        yield shard, table
+        yield shard, open_label_table(files[shard], columns, keep)
 
 
 def _subset_counts(table: pa.Table) -> dict[str, int]:

@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.errors import RunFailedError
-from pipeline.io.labels import SUBSET_VALUES, uid_of
+from pipeline.io.labels import SUBSET_VALUES, open_label_table
 from pipeline.io.shards import RawRecord, iter_shard_records, split_source
 from pipeline.io.tables import file_exists, open_atomic, read_json, write_json_atomic
 
@@ -97,22 +97,11 @@ def _extended_json(record: RawRecord, label: dict[str, Any], qualified: bool) ->
 
 def _read_kept(label_file: str, min_label: float, subsets: tuple[str, ...]) -> dict[str, dict]:
     """{key: {soft_label, subset, round, uid}} of the kept rows of one label table."""
-    import pyarrow.dataset as ds
-
-    from pipeline.io.labels import LABELS_SCHEMA
-
-    # The current schema: a labels.v1 file reads with uid null (filled from the key below).
-    dataset = ds.dataset([label_file], schema=LABELS_SCHEMA, format="parquet")
-    table = dataset.to_table(columns=LABEL_COLUMNS, filter=kept_filter(min_label, subsets))
+    table = open_label_table(label_file, LABEL_COLUMNS, kept_filter(min_label, subsets))
     kept = {}
     columns = {name: table.column(name).to_pylist() for name in LABEL_COLUMNS}
     for key, label, subset, round_index, uid in zip(*columns.values(), strict=True):
-        kept[key] = {
-            "soft_label": label,
-            "subset": subset,
-            "round": round_index,
-            "uid": uid if uid is not None else uid_of(key),  # labels.v1 tables carry no uid
-        }
+        kept[key] = {"soft_label": label, "subset": subset, "round": round_index, "uid": uid}
     return kept
 
 
