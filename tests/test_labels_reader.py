@@ -158,7 +158,7 @@ def test_paths_and_urls_resolve_alike_on_a_local_disk_and_an_object_store(tmp_pa
     import fsspec
 
     from pipeline.io.layout import run_dir_of
-    from pipeline.io.paths import arrow_filesystem, as_url, filesystem, parquet_files
+    from pipeline.io.paths import arrow_filesystem, as_url, filesystem, folder_names, parquet_files
 
     for root in (str(tmp_path / "run"), "memory://ncl-paths/run"):
         fs, folder = filesystem(f"{root}/labels")
@@ -171,5 +171,6 @@ def test_paths_and_urls_resolve_alike_on_a_local_disk_and_an_object_store(tmp_pa
         assert fsspec.core.url_to_fs(url)[1] == files[0] and url.startswith(root.split(":")[0])
         assert (arrow_filesystem(fs) is None) == (not root.startswith("memory://"))
         assert filesystem(run_dir_of(as_url(fs, folder)))[1] == filesystem(root)[1]
+        assert len(folder_names(as_url(fs, folder))) == 4 and not folder_names(f"{root}/none")
     assert run_dir_of("s3://b/run/labels/gen-3") == "s3://b/run"
     assert run_dir_of("/r/rounds/2/labels_a") == "/r"

@@ -18,11 +18,13 @@ import logging
 import uuid
 
 from pipeline.io.layout import LABEL_PASS_SUMMARY, LABELS_GENERATION_PREFIX, LABELS_POINTER
+from pipeline.io.paths import as_url, filesystem
 
 __all__ = [
     "current_generation",
     "current_labels_folder",
     "next_generation",
+    "published_labels_folder",
     "switch_generation",
     "remove_stale_generations",
 ]
@@ -62,6 +64,12 @@ def current_labels_folder(fs, root: str) -> str:
     root = root.rstrip("/")
     name = current_generation(fs, root)
     return f"{root}/{name}" if name else root
+
+
+def published_labels_folder(labels_root: str) -> str:
+    """`current_labels_folder` of `labels/` given as a local path or URL, named the same way."""
+    fs, root = filesystem(labels_root)
+    return as_url(fs, current_labels_folder(fs, root))
 
 
 def _generations(fs, root: str) -> list[str]:

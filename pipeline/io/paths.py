@@ -8,14 +8,15 @@ Contract:
   drop the scheme and would read as local ones).
 - `arrow_filesystem(fs)` is what `pyarrow.dataset` takes: None for a local disk (pyarrow's own,
   faster), else the fsspec filesystem.
-- `parquet_files(fs, folder)`: a folder's Parquet tables, sorted, without hidden or `_` files.
+- `parquet_files(fs, folder)`: a folder's Parquet tables, sorted, without hidden or `_` files;
+  `folder_names(folder)`: the names of everything in a folder (none when it is missing).
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["arrow_filesystem", "as_url", "filesystem", "is_local", "parquet_files"]
+__all__ = ["arrow_filesystem", "as_url", "filesystem", "folder_names", "is_local", "parquet_files"]
 
 
 def filesystem(path: str | os.PathLike[str]):
@@ -50,3 +51,11 @@ def parquet_files(fs, folder: str) -> list[str]:
         for p in fs.ls(folder, detail=False)
         if p.endswith(".parquet") and not os.path.basename(p).startswith((".", "_"))
     )
+
+
+def folder_names(folder: str) -> set[str]:
+    """The names of the files and folders in `folder` (local or URL); empty when missing."""
+    fs, path = filesystem(folder)
+    if not fs.isdir(path):
+        return set()
+    return {entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)}

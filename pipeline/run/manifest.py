@@ -53,14 +53,15 @@ def _load(path: str) -> dict | None:
 
 def _summaries(layout: RunLayout) -> list[str]:
     """The summary files that may record a stage's key, in run order."""
-    from pipeline.run.state import _listing, _published_folder
+    from pipeline.io.generations import published_labels_folder
+    from pipeline.io.paths import folder_names
 
-    rounds = sorted(int(name) for name in _listing(layout.rounds_dir) if name.isdigit())
+    rounds = sorted(int(name) for name in folder_names(layout.rounds_dir) if name.isdigit())
     paths = [layout.keys_summary]
     for r in rounds:
         paths.append(layout.train_summary(r))
         paths += [f"{layout.labels_round_dir(r, v)}/{LABEL_PASS_SUMMARY}" for v in ("a", "b")]
-    paths.append(f"{_published_folder(layout.labels_dir)}/{LABEL_PASS_SUMMARY}")
+    paths.append(f"{published_labels_folder(layout.labels_dir)}/{LABEL_PASS_SUMMARY}")
     return paths
 
 

@@ -504,39 +504,24 @@ def table_keys(paths: Mapping[str, str]) -> dict[str, str | None]:
     return found
 
 
-def _listing(folder: str) -> set[str]:
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(folder)
-    if not fs.isdir(path):
-        return set()
-    return {entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)}
-
-
-def _published_folder(labels_root: str) -> str:
-    """The generation of `labels/` that readers see (pipeline.io.generations)."""
-    from pipeline.io.generations import current_labels_folder
-    from pipeline.io.paths import as_url, filesystem
-
-    fs, root = filesystem(labels_root)
-    return as_url(fs, current_labels_folder(fs, root))
-
-
 def outputs_present(layout, node: StageNode, shards: Collection[str]) -> bool:
     """Whether the files a done stage made (and its readers need) are still there."""
+    from pipeline.io.generations import published_labels_folder
+    from pipeline.io.paths import folder_names
+
     kind, r = node.kind, node.round_index
     if kind in ("warmup", "train"):
         return all(
             layout.model_checkpoint(r, view).rsplit("/", 1)[-1]
-            in _listing(layout.checkpoint_dir(r, view))
+            in folder_names(layout.checkpoint_dir(r, view))
             for view in ("A", "B")
         )
     if kind in ("labels", "publish"):
         folder = (
-            _published_folder(layout.labels_dir)
+            published_labels_folder(layout.labels_dir)
             if kind == "publish"
             else layout.labels_round_dir(r, node.stage.rsplit("_", 1)[-1])
         )
-        have = _listing(folder)
+        have = folder_names(folder)
         return LABEL_PASS_SUMMARY in have and all(f"{s}.parquet" in have for s in shards)
     return True
