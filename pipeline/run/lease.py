@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 
 from pipeline.errors import UserError
 from pipeline.io.layout import RunLayout
+from pipeline.io.tables import open_atomic
 
 __all__ = [
     "HEARTBEAT_S",
@@ -136,14 +137,13 @@ def _create_exclusive(path: str, text: str) -> bool:
 
 
 def _replace(path: str, text: str) -> None:
-    """Write the lease file whole (local: a temporary file renamed over it)."""
-    fs, fs_path = _fs(path)
+    """Write the lease file whole: locally through the one atomic writer; on an object store
+    with one PUT, already whole (a renamed copy would cost a copy and a delete per renewal)."""
     if "://" not in path:
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as handle:
+        with open_atomic(path, "w") as handle:
             handle.write(text)
-        os.replace(tmp, path)
         return
+    fs, fs_path = _fs(path)
     fs.makedirs(fs_path.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(fs_path, "w") as handle:
         handle.write(text)
