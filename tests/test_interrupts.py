@@ -59,21 +59,31 @@ def test_ray_trains_own_sigint_handler_stays_off_while_a_run_holds_them():
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
     original = DataParallelTrainer._register_sigint_handler
+    before = signal.getsignal(signal.SIGINT)  # SIG_IGN when pytest runs as a background job
     with catch_interrupts() as interrupts:
         interrupts.install(ray_started=True)
         ours = signal.getsignal(signal.SIGINT)
         DataParallelTrainer._register_sigint_handler(None, None)
         assert signal.getsignal(signal.SIGINT) == ours
     assert DataParallelTrainer._register_sigint_handler is original
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 @cli_run
-def test_ctrl_c_in_the_warm_up_stops_and_a_rerun_finishes(tmp_path):
+def test_sigterm_in_the_embed_pass_then_ctrl_c_in_the_warm_up_and_a_rerun_finishes(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
     output = tmp_path / "run"
     job = write_job(corpus, output)
-    log = tmp_path / "first.log"
+    log = tmp_path / "sigterm.log"
+    proc = start_cli(log, "run", str(job))
+    wait_for_line(proc, log, "round0/embed: recomputed")
+    code, took, console = _stop(proc, signal.SIGTERM, log)
+    assert code == 143, console[-3000:]
+    assert took < 30, took
+    assert f"interrupted in the embed pass (round 0){SENTENCE}" in console
+    assert not (output / "_lease.json").exists()
+
+    log = tmp_path / "sigint.log"
     proc = start_cli(log, "run", str(job))
     wait_for_line(proc, log, "train: round 0 (warmup)")
     time.sleep(2)  # into the training loop
@@ -106,20 +116,6 @@ def test_ctrl_c_in_the_warm_up_stops_and_a_rerun_finishes(tmp_path):
     assert "taking over the lease" in rerun.stdout and "stopped heartbeating" in rerun.stdout
     assert "round0/embed: reused" in rerun.stdout
     assert len(list(Path(labels_folder(output)[1]).glob("*.parquet"))) == 2
-    assert not (output / "_lease.json").exists()
-
-
-@cli_run
-def test_sigterm_in_the_embed_pass_exits_143(tmp_path):
-    corpus = write_corpus(tmp_path / "corpus")
-    output = tmp_path / "run"
-    log = tmp_path / "run.log"
-    proc = start_cli(log, "run", str(write_job(corpus, output)))
-    wait_for_line(proc, log, "round0/embed: recomputed")
-    code, took, console = _stop(proc, signal.SIGTERM, log)
-    assert code == 143, console[-3000:]
-    assert took < 30, took
-    assert f"interrupted in the embed pass (round 0){SENTENCE}" in console
     assert not (output / "_lease.json").exists()
 
 

@@ -14,7 +14,6 @@ from cli_job import run_cli, write_corpus, write_job
 from pipeline.io.layout import RunLayout
 from pipeline.run.manifest import REBUILT, read_manifest
 
-NO_WARMUP = ("--set", "train.warmup_epochs=0")  # embed, keys, labels, publish: ~40 s
 ONE_ROUND = ("--set", "train.rounds=1", "--set", "train.epochs_per_round=1")
 EVERY_STAGE = (  # of the job with ONE_ROUND: each kind of stage summary
     "round0/embed",
@@ -57,47 +56,11 @@ def test_read_manifest_keeps_a_damaged_file_aside_only_when_asked(tmp_path, capl
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.own_ray
-@pytest.mark.timeout(600)
-def test_run_and_status_survive_a_truncated_or_garbage_manifest(tmp_path):
-    corpus = write_corpus(tmp_path / "corpus")
-    output = tmp_path / "run"
-    job = write_job(corpus, output)
-    first = run_cli("run", str(job), *NO_WARMUP)
-    assert first.returncode == 0, first.stdout[-3000:]
-    manifest = output / "manifest.json"
-    text = manifest.read_text()
-    manifest.write_text(text[: len(text) // 2])  # cut in half, as by a full disk
-
-    status = run_cli("status", str(output))
-    assert status.returncode == 0, status.stdout
-    assert "Traceback" not in status.stdout
-    assert status.stdout.count("is damaged (not valid JSON") == 1
-    assert "manifest.json is damaged; the stage records are rebuilt" in status.stdout
-    assert manifest.read_text() == text[: len(text) // 2]  # read-only
-
-    rerun = run_cli("run", str(job), *NO_WARMUP)
-    assert rerun.returncode == 0, rerun.stdout[-3000:]
-    assert "Traceback" not in rerun.stdout
-    assert rerun.stdout.count("is damaged (not valid JSON") == 1
-    assert "kept aside as" in rerun.stdout
-    assert "round0/embed: reused" in rerun.stdout  # rebuilt from the tables' footers
-    kept = list(output.glob("manifest.json.damaged-*"))
-    assert len(kept) == 1 and kept[0].read_text() == text[: len(text) // 2]
-    stages = json.loads(manifest.read_text())["stages"]
-    assert all(record["status"] == "done" for record in stages.values())
-
-    manifest.write_bytes(b"\x00\xff garbage \x13" * 50)
-    status = run_cli("status", str(output), "--job", str(job), *NO_WARMUP)
-    assert status.returncode == 0, status.stdout
-    assert "Traceback" not in status.stdout and "is damaged (not UTF-8" in status.stdout
-    assert "round0/embed      reused" in status.stdout
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-@pytest.mark.own_ray
 @pytest.mark.timeout(900)
-def test_a_rerun_after_a_truncated_manifest_reuses_every_finished_stage(tmp_path):
+def test_a_truncated_or_garbage_manifest_is_rebuilt_and_every_finished_stage_reused(tmp_path):
+    """One real run, then its manifest cut to a third (as by a full disk) and later garbage:
+    `status` (with and without the job) and `run` each warn once and read the stage records
+    rebuilt from the outputs; `status` changes nothing, `run` keeps the damaged file aside."""
     corpus = write_corpus(tmp_path / "corpus")
     output = tmp_path / "run"
     job = write_job(corpus, output)
@@ -106,16 +69,25 @@ def test_a_rerun_after_a_truncated_manifest_reuses_every_finished_stage(tmp_path
     labels = _published(output)
     manifest = output / "manifest.json"
     text = manifest.read_text()
-    manifest.write_text(text[: len(text) // 3])
+    cut = text[: len(text) // 3]
+    manifest.write_text(cut)
 
+    status = run_cli("status", str(output))
+    assert status.returncode == 0 and "Traceback" not in status.stdout, status.stdout
+    assert status.stdout.count("is damaged (not valid JSON") == 1
+    assert "manifest.json is damaged; the stage records are rebuilt" in status.stdout
     status = run_cli("status", str(output), "--job", str(job), *ONE_ROUND)
     assert status.returncode == 0 and "Traceback" not in status.stdout, status.stdout
     assert "8 stage summaries hold their keys" in status.stdout
     assert all(f"{stage:<17} reused" in status.stdout for stage in EVERY_STAGE), status.stdout
+    assert manifest.read_text() == cut  # status is read-only
 
     rerun = run_cli("run", str(job), *ONE_ROUND, timeout=600)
     assert rerun.returncode == 0 and "Traceback" not in rerun.stdout, rerun.stdout[-3000:]
     assert rerun.stdout.count("is damaged (not valid JSON") == 1
+    assert "kept aside as" in rerun.stdout
+    kept = list(output.glob("manifest.json.damaged-*"))
+    assert len(kept) == 1 and kept[0].read_text() == cut
     missing = [stage for stage in EVERY_STAGE if f"{stage}: reused" not in rerun.stdout]
     assert not missing and "recomputed because" not in rerun.stdout, rerun.stdout[-3000:]
     assert _published(output) == labels
@@ -123,9 +95,13 @@ def test_a_rerun_after_a_truncated_manifest_reuses_every_finished_stage(tmp_path
     assert sorted(stages) == sorted(EVERY_STAGE)
     assert all(record["status"] == "done" for record in stages.values())
 
-    # A changed config after the damage still recomputes what it changes, from the records
-    # the outputs hold (the co-teaching round trains longer; the warm-up does not change).
+    # Garbage instead of JSON; then a changed config still recomputes what it changes, from
+    # the records the outputs hold (the co-teaching round trains longer; the warm-up does not).
     manifest.write_bytes(b"\x00\xff garbage")
+    status = run_cli("status", str(output), "--job", str(job), *ONE_ROUND)
+    assert status.returncode == 0, status.stdout
+    assert "Traceback" not in status.stdout and "is damaged (not UTF-8" in status.stdout
+    assert "round0/embed      reused" in status.stdout
     longer = ("--set", "train.rounds=1", "--set", "train.epochs_per_round=2")
     changed = run_cli("run", str(job), *longer, timeout=600)
     assert changed.returncode == 0 and "Traceback" not in changed.stdout, changed.stdout[-3000:]
