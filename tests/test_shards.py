@@ -251,10 +251,9 @@ def test_brace_range_property(start, length, extra_width):
 
 
 def test_every_quarantine_reason_is_documented():
-    import pipeline.io.shards as shards
-
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "shards.md").read_text()
     for reason in QUARANTINE_REASONS:
-        assert f"``{reason}``" in shards.__doc__
+        assert f"- `{reason}`:" in doc, reason
 
 
 @pytest.mark.parametrize(
