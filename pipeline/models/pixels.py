@@ -112,24 +112,26 @@ def chunk_pixels(pixels: list, plan: PixelPlan) -> tuple[list[str | None], torch
 @dataclass
 class ShardTexts:
     """A shard's captions, tokenized in the decode threads once per tokenizer (views of one
-    model name share it), then encoded per view in forward batches."""
+    model name share it), and encoded a chunk behind: the newest chunk's tokens may still be
+    in the threads, and the text tower then runs while the next chunk decodes."""
 
     pool: ThreadPoolExecutor
-    tokenizers: dict[str, Callable]  # model name -> tokenizer
+    views: dict[str, tuple[str, LoadedClip]]  # view -> (model name: its tokenizer, model)
     batch: int  # texts per forward
-    futures: dict[str, list[Future]] = field(default_factory=dict)
+    futures: list[dict[str, Future]] = field(default_factory=list)  # per chunk, per name
 
     def add(self, captions: list[str]) -> None:
-        for name, tokenizer in self.tokenizers.items():
-            self.futures.setdefault(name, []).append(self.pool.submit(tokenizer, captions))
+        names = {name: loaded.tokenizer for name, loaded in self.views.values()}
+        self.futures.append({n: self.pool.submit(t, captions) for n, t in names.items()})
 
-    def encode(self, name: str, loaded: LoadedClip) -> list[torch.Tensor]:
-        """(n, D) float32 text embeddings on CPU, in forward batches of `self.batch`."""
-        chunks = [f.result() for f in self.futures.get(name, [])]
-        if not chunks:
-            return []
-        tokens = torch.cat(chunks)  # (N, L)
-        return [
-            encode_texts(loaded, tokens[start : start + self.batch]).cpu()
-            for start in range(0, len(tokens), self.batch)
-        ]
+    def encode(self, out: dict[str, list[torch.Tensor]], keep: int = 0) -> None:
+        """Append to `out[view]` the (n, D) float32 CPU text embeddings of every chunk added
+        but the newest `keep`, in order, in forward batches of `self.batch`."""
+        ready = self.futures[: len(self.futures) - keep]
+        self.futures = self.futures[len(ready) :]
+        for chunk in ready:
+            for view, (name, loaded) in self.views.items():
+                tokens = chunk[name].result()  # (n, L)
+                for start in range(0, len(tokens), self.batch):
+                    emb = encode_texts(loaded, tokens[start : start + self.batch])
+                    out.setdefault(view, []).append(emb.cpu())

@@ -300,6 +300,7 @@ def _embed_decoded(futures, buffers: _ShardBuffers, models, plan, texts, lookup=
         buffers.image_embeddings.setdefault(view, []).append(image_emb.cpu())
     if lookup is None:
         texts.add(captions)
+        texts.encode(buffers.text_embeddings, keep=1)
 
 
 def _fixed_list(matrix: np.ndarray) -> pa.FixedSizeListArray:
@@ -319,8 +320,8 @@ def _read_shard(
     lookup, prefix = _shard_lookup(spec, path)
     buffers = _ShardBuffers(ingesting=lookup is not None)
     plan = pixel_plan(spec.embed.decode, next(iter(models.values())))
-    tokenizers = {spec.views[view].name: loaded.tokenizer for view, loaded in models.items()}
-    texts = ShardTexts(pool, tokenizers, spec.embed.forward_batch_size)
+    views = {view: (spec.views[view].name, loaded) for view, loaded in models.items()}
+    texts = ShardTexts(pool, views, spec.embed.forward_batch_size)
     pending = None  # futures of the chunk being decoded while the previous one is embedded
     chunk: list = []
     for item in iter_shard_records(path, stats):
@@ -339,9 +340,7 @@ def _read_shard(
     for futures in (pending, tail):
         if futures is not None:
             _embed_decoded(futures, buffers, models, plan, texts, lookup)
-    if lookup is None:
-        for view, loaded in models.items():
-            buffers.text_embeddings[view] = texts.encode(spec.views[view].name, loaded)
+    texts.encode(buffers.text_embeddings)
     return buffers
 
 
