@@ -52,7 +52,11 @@ def granted_cpu_count() -> int:
 
     if not ray.is_initialized():
         return 1
-    return max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 0)))
+    try:
+        granted = ray.get_runtime_context().get_assigned_resources()
+    except AssertionError:  # the driver: Ray answers only in a task or actor
+        return 1
+    return max(1, int(granted.get("CPU", 0)))
 
 
 def _driver_version() -> str:
