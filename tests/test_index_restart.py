@@ -14,6 +14,7 @@ from pipeline.stages.labels.index_actors import (
     actor_neighbours,
     build_index_actors,
     remove_restore_tables,
+    report_restarts,
     train_task,
 )
 
@@ -72,7 +73,7 @@ def test_a_restarted_store_is_the_same_index(factory, tmp_path):
 
 
 @pytest.mark.ray
-def test_a_killed_index_actor_restarts_with_its_index(local_ray, tmp_path):
+def test_a_killed_index_actor_restarts_with_its_index(local_ray, tmp_path, caplog):
     ray = local_ray
     spec = LabelSpec(
         str(tmp_path), 1, "a", ("x",), str(tmp_path / "labels"), index=IndexConfig(shards=2)
@@ -93,6 +94,11 @@ def test_a_killed_index_actor_restarts_with_its_index(local_ray, tmp_path):
         np.testing.assert_array_equal(after[0], before[0])
         looked_up = search.lookup(parts[0]["ids"][:5], ("keys",))
         assert list(looked_up["keys"]) == list(parts[0]["keys"][:5])
+        # The driver says so (the actor's own warning stays in Ray's worker log).
+        with caplog.at_level("WARNING", logger="pipeline"):
+            report_restarts(actors)
+        said = [r.getMessage() for r in caplog.records if "index actor restarted" in r.getMessage()]
+        assert len(said) == 1 and "rebuilt 150 rows from" in said[0], said
     finally:
         for actor in actors:
             ray.kill(actor)

@@ -40,6 +40,7 @@ from pipeline.stages.labels.index_actors import (
     actor_neighbours,
     build_index_actors,
     remove_restore_tables,
+    report_restarts,
     save_indexes,
 )
 from pipeline.stages.labels.label_task import label_task
@@ -320,6 +321,7 @@ def run_label_pass(spec: LabelSpec) -> dict[str, Any]:
         clock.step("index")
         context = _context(spec, infos, mixture)
         results = _label_shards(spec, shards, offsets, fits_ref, decisions, actors, context, total)
+        report_restarts(actors)
     finally:
         for actor in actors:
             ray.kill(actor)

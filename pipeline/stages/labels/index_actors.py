@@ -45,6 +45,7 @@ __all__ = [
     "actor_neighbours",
     "build_index_actors",
     "remove_restore_tables",
+    "report_restarts",
     "save_indexes",
     "train_options",
     "train_task",
@@ -105,6 +106,7 @@ class IndexStoreActor(IndexStore):
 
         super().__init__(dim, factory, nprobe, seed, gpus=granted_faiss_gpus("index actor"))
         self.restore = restore
+        self.rebuilt = ""  # what a restart did, for the driver to say (`report_restarts`)
         if file_exists(restore):  # a restart: the same rows, the same codebooks, same index
             _restore_store(self, read_table(restore))
             trained = {}
@@ -114,9 +116,12 @@ class IndexStoreActor(IndexStore):
                     with fsspec.open(path, "rb") as handle:
                         trained[modality] = np.frombuffer(handle.read(), dtype=np.uint8)
             super().build(trained or None)
-            logger.warning(
-                f"labels: index actor restarted, rebuilt {self.rows()} rows from {restore}"
-            )
+            self.rebuilt = f"index actor restarted, rebuilt {self.rows()} rows from {restore}"
+            logger.warning(f"labels: {self.rebuilt}")
+
+    def restarts(self) -> str:
+        """What Ray's restart of this actor did ("" when it was never restarted)."""
+        return self.rebuilt
 
     def rows(self) -> int:
         return 0 if self.ids is None else int(self.ids.size)
@@ -172,6 +177,16 @@ def _ray_dispatch(calls: list[tuple[Any, str, tuple]]) -> list:
     return ray.get(
         [getattr(actor, method).remote(*map(shipped, args)) for actor, method, args in calls]
     )
+
+
+def report_restarts(actors: list) -> None:
+    """Say on the driver's console which index actors Ray restarted (their own log lines stay
+    in Ray's worker logs, which the console does not forward)."""
+    import ray
+
+    for note in ray.get([actor.restarts.remote() for actor in actors]):
+        if note:
+            logger.warning(f"labels: {note}")
 
 
 def actor_neighbours(actors: list) -> ShardedNeighbours:
