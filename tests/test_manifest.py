@@ -11,23 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 from cli_job import run_cli, write_corpus, write_job
 
+from pipeline.config import load_job
 from pipeline.io.layout import RunLayout
 from pipeline.run.manifest import REBUILT, read_manifest
+from pipeline.run.state import stage_graph
 
 ONE_ROUND = ("--set", "train.rounds=1", "--set", "train.epochs_per_round=1")
-EVERY_STAGE = (  # of the job with ONE_ROUND: each kind of stage summary
-    "round0/embed",
-    "round0/keys",
-    "round0/warmup",
-    "round1/embed",
-    "round1/labels_a",
-    "round1/labels_b",
-    "round1/train",
-    "round2/embed",
-    "round2/labels_a",
-    "round2/labels_b",
-    "publish",
-)
 
 
 def _published(output) -> dict:
@@ -64,6 +53,8 @@ def test_a_truncated_or_garbage_manifest_is_rebuilt_and_every_finished_stage_reu
     corpus = write_corpus(tmp_path / "corpus")
     output = tmp_path / "run"
     job = write_job(corpus, output)
+    # Every stage of the job with ONE_ROUND: each kind of stage summary.
+    every_stage = [n.stage for n in stage_graph(load_job(job, list(ONE_ROUND[1::2])))]
     first = run_cli("run", str(job), *ONE_ROUND, timeout=600)
     assert first.returncode == 0, first.stdout[-3000:]
     labels = _published(output)
@@ -79,7 +70,7 @@ def test_a_truncated_or_garbage_manifest_is_rebuilt_and_every_finished_stage_reu
     status = run_cli("status", str(output), "--job", str(job), *ONE_ROUND)
     assert status.returncode == 0 and "Traceback" not in status.stdout, status.stdout
     assert "8 stage summaries hold their keys" in status.stdout
-    assert all(f"{stage:<17} reused" in status.stdout for stage in EVERY_STAGE), status.stdout
+    assert all(f"{stage:<17} reused" in status.stdout for stage in every_stage), status.stdout
     assert manifest.read_text() == cut  # status is read-only
 
     rerun = run_cli("run", str(job), *ONE_ROUND, timeout=600)
@@ -88,11 +79,11 @@ def test_a_truncated_or_garbage_manifest_is_rebuilt_and_every_finished_stage_reu
     assert "kept aside as" in rerun.stdout
     kept = list(output.glob("manifest.json.damaged-*"))
     assert len(kept) == 1 and kept[0].read_text() == cut
-    missing = [stage for stage in EVERY_STAGE if f"{stage}: reused" not in rerun.stdout]
+    missing = [stage for stage in every_stage if f"{stage}: reused" not in rerun.stdout]
     assert not missing and "recomputed because" not in rerun.stdout, rerun.stdout[-3000:]
     assert _published(output) == labels
     stages = json.loads(manifest.read_text())["stages"]
-    assert sorted(stages) == sorted(EVERY_STAGE)
+    assert sorted(stages) == sorted(every_stage)
     assert all(record["status"] == "done" for record in stages.values())
 
     # Garbage instead of JSON; then a changed config still recomputes what it changes, from
@@ -106,7 +97,7 @@ def test_a_truncated_or_garbage_manifest_is_rebuilt_and_every_finished_stage_reu
     changed = run_cli("run", str(job), *longer, timeout=600)
     assert changed.returncode == 0 and "Traceback" not in changed.stdout, changed.stdout[-3000:]
     assert "round1/train: recomputed because train.epochs_per_round changed" in changed.stdout
-    for stage in EVERY_STAGE[:6]:
+    for stage in every_stage[:6]:
         assert f"{stage}: reused" in changed.stdout, changed.stdout[-3000:]
-    for stage in EVERY_STAGE[7:]:
+    for stage in every_stage[7:]:
         assert f"{stage}: recomputed because" in changed.stdout, changed.stdout[-3000:]

@@ -28,13 +28,11 @@ def merge_topk(
 
 
 def _files(run_dir: str, round_index: int) -> tuple[object, list[str]]:
-    import fsspec
-
     from pipeline.io.layout import RunLayout
+    from pipeline.io.paths import filesystem, parquet_files
 
-    folder = RunLayout(run_dir).embeddings_dir(round_index)
-    fs, root = fsspec.core.url_to_fs(folder)
-    return fs, sorted(fs.glob(f"{root}/*.parquet")) if fs.isdir(root) else []
+    fs, root = filesystem(RunLayout(run_dir).embeddings_dir(round_index))
+    return fs, parquet_files(fs, root)
 
 
 def retrieved_captions(

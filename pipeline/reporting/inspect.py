@@ -37,11 +37,10 @@ def quarantine_lines(run_dir: str) -> list[str]:
     """One line: the quarantine's rows, files and count per reason (`quarantine/*.parquet`)."""
     import pyarrow.dataset as ds
 
-    from pipeline.io.paths import arrow_filesystem, filesystem
+    from pipeline.io.paths import arrow_filesystem, filesystem, parquet_files
 
     fs, root = filesystem(run_dir)
-    folder = f"{root.rstrip('/')}/quarantine"
-    files = [p for p in fs.glob(f"{folder}/*.parquet")] if fs.isdir(folder) else []
+    files = parquet_files(fs, f"{root.rstrip('/')}/quarantine")
     if not files:
         return ["quarantine: none recorded"]
     table = ds.dataset(files, format="parquet", filesystem=arrow_filesystem(fs)).to_table(
