@@ -19,7 +19,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from pipeline.config import JobConfig, job_json_schema
+from pipeline.config import JobConfig, job_json_schema, resources_only_fields
 from pipeline.io.labels import READABLE_SCHEMA_NAMES, labels_json_schema
 
 __all__ = [
@@ -70,6 +70,13 @@ overridden on the command line with `--set section.key=value` (the value is pars
 `--set train.rounds=0` is an integer). Unknown keys and bad values fail before any work, naming
 the key, the value and the fix. The same model is exported as a JSON Schema in
 `schemas/job.schema.json`, for editors and validators.
+
+Keys marked *Resources only* change how fast or where a run works, what it caches or logs, or
+when it gives up, never what it computes: a rerun into the same output that changes only such
+keys reuses every result. Every other key, except `name`, `output` and the paths of the shards
+and of `embed.from_embeddings` (shards are known by name and size, that folder by its files), is
+hashed into the key of each stage that reads it, so changing it recomputes those stages and the
+ones after them (docs/architecture.md §4.3.1).
 """
 
 
@@ -135,8 +142,10 @@ def _sections(
 
 def render_config_reference() -> str:
     """The job file's reference as Markdown: one table per section (key, type, default,
-    description), in the order of `JobConfig`, nested sections after their parent."""
+    description), in the order of `JobConfig`, nested sections after their parent; the
+    descriptions of resources-only keys say so first."""
     parts = [_CONFIG_INTRO]
+    resources_only = set(resources_only_fields())
     for section, model, leaves in _sections(JobConfig, ""):
         title = f"`{section}`" if section else "Top level"
         parts.append(f"\n## {title}\n")
@@ -148,6 +157,8 @@ def render_config_reference() -> str:
             key = f"{section}.{name}" if section else name
             kind = _cell(_type_name(field.annotation))
             description = _cell(field.description or "")
+            if key in resources_only:
+                description = f"*Resources only.* {description}"
             parts.append(f"| `{key}` | `{kind}` | {_cell(_default(field))} | {description} |\n")
     return "".join(parts)
 

@@ -4,6 +4,9 @@ Contract (docs/architecture.md §4.2): the top-level sections and keys below exi
 added. Unknown keys and bad values fail at load time, before any work, with a `JobConfigError`
 whose message names the dotted key, the bad value and the fix. Overrides use dotted keys
 (`labels.method=rcr`); their values are parsed as YAML scalars (`train.rounds=0` is an int).
+`leaf_fields`, `resources_only_fields`, `identity_fields` and `result_fields` name the fields by
+what they do to results (the markers in `pipeline.config.sections`): the stage keys must cover
+every result field.
 """
 
 from __future__ import annotations
@@ -11,13 +14,18 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
 
 from pipeline.config.sections import (  # noqa: F401  (the public names of the config)
+    IDENTITY,
+    RESOURCES_ONLY,
     AssignLabelsConfig,
     BicroLabelsConfig,
     BicroTrainConfig,
@@ -39,7 +47,17 @@ from pipeline.config.sections import (  # noqa: F401  (the public names of the c
 )
 from pipeline.errors import UserError
 
-__all__ = ["JobConfig", "JobConfigError", "load_job", "parse_overrides", "job_json_schema"]
+__all__ = [
+    "JobConfig",
+    "JobConfigError",
+    "identity_fields",
+    "job_json_schema",
+    "leaf_fields",
+    "load_job",
+    "parse_overrides",
+    "resources_only_fields",
+    "result_fields",
+]
 
 
 class JobConfigError(UserError, ValueError):
@@ -47,9 +65,13 @@ class JobConfigError(UserError, ValueError):
 
 
 class JobConfig(_Section):
-    name: str = Field(description="Job name, used in logs and run metadata.")
+    name: str = Field(
+        description="Job name, used in logs and run metadata.", json_schema_extra=IDENTITY
+    )
     input: InputConfig
-    output: str = Field(description="Run directory: local path or fsspec URL.")
+    output: str = Field(
+        description="Run directory: local path or fsspec URL.", json_schema_extra=IDENTITY
+    )
     model: ModelConfig
     embed: EmbedConfig = EmbedConfig()
     mixture: MixtureConfig = MixtureConfig()
@@ -301,3 +323,54 @@ def job_json_schema() -> dict[str, Any]:
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "ncl-pipeline job"
     return schema
+
+
+# --------------------------------------------------------------------------------------------
+# Fields by what they do to results
+
+
+def _nested_section(annotation: Any) -> type[BaseModel] | None:
+    """The section in `Section`, `Section | None` or `list[Section] | None`, else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    found = [s for arg in typing.get_args(annotation) if (s := _nested_section(arg))]
+    return found[0] if len(found) == 1 else None
+
+
+def _leaves(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, FieldInfo]]:
+    for name, field in model.model_fields.items():
+        section = _nested_section(field.annotation)
+        if section is None:
+            yield f"{prefix}{name}", field
+        else:
+            yield from _leaves(section, f"{prefix}{name}.")
+
+
+def _marked(field: FieldInfo, marker: dict[str, Any]) -> bool:
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and all(extra.get(k) == v for k, v in marker.items())
+
+
+def leaf_fields() -> tuple[str, ...]:
+    """Dotted names of every field of the job that holds a value, nested sections walked, in
+    the model's order. An optional section is walked (`embed.from_embeddings.path`); a list of
+    sections names its items' fields under the list's name (`input.sources.name`)."""
+    return tuple(name for name, _ in _leaves(JobConfig))
+
+
+def resources_only_fields() -> tuple[str, ...]:
+    """The leaf fields marked `RESOURCES_ONLY`: speed, resources, caches, logs and run guards;
+    a rerun that changes only these reuses every result."""
+    return tuple(name for name, field in _leaves(JobConfig) if _marked(field, RESOURCES_ONLY))
+
+
+def identity_fields() -> tuple[str, ...]:
+    """The leaf fields marked `IDENTITY`: the run's name, where it writes and the paths it
+    reads; what is read is hashed by content (shards by name and size), not by path."""
+    return tuple(name for name, field in _leaves(JobConfig) if _marked(field, IDENTITY))
+
+
+def result_fields() -> tuple[str, ...]:
+    """The leaf fields that change what a stage computes: every stage key must cover them."""
+    skip = {*resources_only_fields(), *identity_fields()}
+    return tuple(name for name in leaf_fields() if name not in skip)

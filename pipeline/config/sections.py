@@ -1,7 +1,11 @@
 """The job file's sections, one pydantic model each; `pipeline.config` assembles them.
 
 Every field carries a description: docs/config.md is generated from them (tests/test_docs.py).
-Fields that change results are part of the stage keys (`JobConfig.stage_hash`).
+A field is marked `RESOURCES_ONLY` when it changes how fast or where a run works, what it caches
+or logs, or when it gives up, never what a stage computes; `IDENTITY` when it says where the run
+reads or writes (what is read is hashed by content instead). Every other field changes results
+and belongs in a stage key (tests/test_config_results.py); `pipeline.config.result_fields`
+lists them.
 """
 
 from __future__ import annotations
@@ -12,6 +16,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipeline.core.labels import LABEL_METHODS
+
+# Markers in json_schema_extra, so the JSON schema and docs/config.md show them too.
+RESOURCES_ONLY = {"resources_only": True}  # a rerun that changes only these reuses everything
+IDENTITY = {"identity": True}  # paths and names; shards are keyed by name and size, not path
 
 
 class _Section(BaseModel):
@@ -25,7 +33,8 @@ class SourceConfig(_Section):
         "qualifies its shard names (<name>-00000) and keys (<name>/000000001)."
     )
     shards: str | list[str] = Field(
-        description="This source's tar shards, in any form input.shards accepts."
+        description="This source's tar shards, in any form input.shards accepts.",
+        json_schema_extra=IDENTITY,
     )
 
 
@@ -34,6 +43,7 @@ class InputConfig(_Section):
         None,
         description="Tar shards: brace pattern, glob, list, local path or fsspec URL "
         "(one unnamed source; or use input.sources).",
+        json_schema_extra=IDENTITY,
     )
     sources: list[SourceConfig] | None = Field(
         None,
@@ -47,7 +57,11 @@ class InputConfig(_Section):
     max_image_pixels: int = Field(
         50_000_000, gt=0, description="Decompression-bomb guard: larger images are quarantined."
     )
-    allow_pipe: bool = Field(False, description="Allow 'pipe:' shard URLs (runs shell commands).")
+    allow_pipe: bool = Field(
+        False,
+        description="Allow 'pipe:' shard URLs (runs shell commands).",
+        json_schema_extra=RESOURCES_ONLY,
+    )
     max_failed_shards: int | float = Field(
         0.05,
         ge=0,
@@ -56,6 +70,7 @@ class InputConfig(_Section):
             "(int), or a fraction of the shards (float < 1, rounded up). Failed shards are "
             "quarantined, left out of the run and retried by the next run."
         ),
+        json_schema_extra=RESOURCES_ONLY,
     )
 
     @field_validator("max_failed_shards")
@@ -104,7 +119,8 @@ class ModelConfig(_Section):
         None,
         description="Where open_clip and Hugging Face download and look up pretrained weights "
         "(a folder every node can write; null: their defaults, ~/.cache/huggingface/hub and "
-        "~/.cache/clip). Changes no result.",
+        "~/.cache/clip).",
+        json_schema_extra=RESOURCES_ONLY,
     )
 
 
@@ -114,7 +130,8 @@ class FromEmbeddingsConfig(_Section):
 
     path: str = Field(
         description="clip-retrieval inference output (img_emb/, text_emb/, metadata/): local "
-        "folder or fsspec URL; its embeddings replace the model in round 0's embed pass."
+        "folder or fsspec URL; its embeddings replace the model in round 0's embed pass.",
+        json_schema_extra=IDENTITY,
     )
     model: str = Field(
         description="open_clip model that made them (clip-retrieval's open_clip:<model>/<tag> "
@@ -147,13 +164,22 @@ class EmbedConfig(_Section):
         "(docs/methods.md §1.1): less noisy losses for the mixtures; the model runs once.",
     )
     gpus_per_worker: float = Field(
-        1.0, ge=0, description="GPUs per embed worker when the cluster has GPUs (ignored on CPU)."
+        1.0,
+        ge=0,
+        description="GPUs per embed worker when the cluster has GPUs (ignored on CPU).",
+        json_schema_extra=RESOURCES_ONLY,
     )
     cpus_per_worker: float = Field(
-        1.0, gt=0, description="CPUs reserved per embed worker (decode threads share them)."
+        1.0,
+        gt=0,
+        description="CPUs reserved per embed worker (decode threads share them).",
+        json_schema_extra=RESOURCES_ONLY,
     )
     decode_threads: int = Field(
-        4, ge=1, description="Threads per embed worker decoding images while the model runs."
+        4,
+        ge=1,
+        description="Threads per embed worker decoding images while the model runs.",
+        json_schema_extra=RESOURCES_ONLY,
     )
     decode: Literal["cpu", "device", "auto"] = Field(
         "auto",
@@ -165,12 +191,13 @@ class EmbedConfig(_Section):
         256,
         ge=1,
         description="Pairs per model forward in the embed pass, and per chunk decoded while the "
-        "previous one runs: speed and memory only (the loss batch is embed.batch_size); on a "
-        "GPU 1024 or more.",
+        "previous one runs (the loss batch is embed.batch_size); on a GPU 1024 or more.",
+        json_schema_extra=RESOURCES_ONLY,
     )
     concurrency: int | Literal["auto"] = Field(
         "auto",
         description="Embed workers at a time; auto = number of GPUs, or 1 per 2 CPUs without GPUs.",
+        json_schema_extra=RESOURCES_ONLY,
     )
     from_embeddings: FromEmbeddingsConfig | None = Field(
         None,
@@ -337,13 +364,15 @@ class IndexConfig(_Section):
         2,
         ge=1,
         description="Searches one index actor serves at once, one thread each; the label tasks "
-        "that sent them hold their CPUs while they wait. Speed only: labels do not change.",
+        "that sent them hold their CPUs while they wait.",
+        json_schema_extra=RESOURCES_ONLY,
     )
     gpus_per_actor: float = Field(
         0.0,
         ge=0,
         description="GPUs each index actor requests from Ray; > 0 builds and searches on exactly "
         "the GPUs Ray grants it (faiss-gpu, GPU-capable factories only), 0 = CPU.",
+        json_schema_extra=RESOURCES_ONLY,
     )
 
 
@@ -448,10 +477,16 @@ class TrainConfig(_Section):
         "Ray Train DDP workers.",
     )
     torch_threads: int | None = Field(
-        None, ge=1, description="CPU training: torch threads per worker (null = Ray's default, 1)."
+        None,
+        ge=1,
+        description="CPU training: torch threads per worker (null = Ray's default, 1).",
+        json_schema_extra=RESOURCES_ONLY,
     )
     checkpoint_every_steps: int = Field(
-        200, ge=0, description="Resume checkpoints every N steps (and at epoch ends); 0 = epochs."
+        200,
+        ge=0,
+        description="Resume checkpoints every N steps (and at epoch ends); 0 = epochs.",
+        json_schema_extra=RESOURCES_ONLY,
     )
     checkpoint_every_s: float = Field(
         0.0,
@@ -459,6 +494,7 @@ class TrainConfig(_Section):
         description="Resume checkpoints once this many seconds passed since the last (and at "
         "epoch ends), beside checkpoint_every_steps; 0 = off. Time suits GPUs, whose steps are "
         "short: a cadence in steps writes GBs every minute or two there.",
+        json_schema_extra=RESOURCES_ONLY,
     )
     max_failures: int = Field(
         3,
@@ -466,12 +502,14 @@ class TrainConfig(_Section):
         description="Times a round's training restarts after a failure (a lost node, a killed "
         "worker: Ray retries one worker's task, Ray Train restarts several); each restart "
         "resumes from the last resume checkpoint.",
+        json_schema_extra=RESOURCES_ONLY,
     )
     report_to: Literal["none", "tensorboard", "wandb"] = Field(
         "none",
         description="Also send the numbers the console shows (per-epoch losses, pair weights, "
         "validation rSum, label AUROC per round) to TensorBoard (<output>/tensorboard) or "
-        "Weights & Biases; never changes results.",
+        "Weights & Biases.",
+        json_schema_extra=RESOURCES_ONLY,
     )
     warmup: WarmupConfig = WarmupConfig()
 
@@ -494,19 +532,26 @@ class EvalConfig(_Section):
 
 class RayConfig(_Section):
     address: str | None = Field(
-        None, description="null = local Ray on 127.0.0.1; 'auto' or ray://host:10001 = cluster."
+        None,
+        description="null = local Ray on 127.0.0.1; 'auto' or ray://host:10001 = cluster.",
+        json_schema_extra=RESOURCES_ONLY,
     )
     num_cpus: int | None = Field(
-        None, ge=1, description="CPUs for the embedded local Ray (null = all of this machine)."
+        None,
+        ge=1,
+        description="CPUs for the embedded local Ray (null = all of this machine).",
+        json_schema_extra=RESOURCES_ONLY,
     )
     object_store_memory: int | None = Field(
         None,
         ge=75 * 1024**2,  # Ray's own minimum (75 MiB)
         description="Bytes of the embedded local Ray's object store (null = Ray's default, "
-        "30% of memory); when full, objects spill to disk and the labels stay the same.",
+        "30% of memory); when full, objects spill to disk.",
+        json_schema_extra=RESOURCES_ONLY,
     )
     preflight: bool = Field(
         True,
         description="Before any work, refuse a job whose stages no node can host (it would wait "
         "forever); false on an autoscaling cluster whose nodes come up later.",
+        json_schema_extra=RESOURCES_ONLY,
     )
