@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 from pipeline.clients.read import read_labels
 from pipeline.config import load_job
 from pipeline.data.synthetic import make_corpus
-from pipeline.io.layout import RunLayout
+from pipeline.io.layout import BASELINE_SUMMARY, RunLayout
 from pipeline.run.runner import run_job
 
 FRACTIONS = (0.3, 0.5, None, 0.7)  # None: the mixture's fitted clean weight
@@ -296,7 +296,7 @@ def run_web(args, workdir: Path) -> None:
             if job.train.mode == "cosine_filter":
                 record["filter"] = json.loads(
                     Path(
-                        RunLayout(job.output).round_dir(1), "labels_cosine_filter", "_filter.json"
+                        RunLayout(job.output).baseline_dir(1, "cosine_filter"), BASELINE_SUMMARY
                     ).read_text()
                 )
                 record["filter"].pop("kept", None)

@@ -127,14 +127,15 @@ def validate(
     if config_only:
         return
     from pipeline.models import check_weights_available
-    from pipeline.run.runner import model_specs, resolve_inputs
+    from pipeline.run.runner import resolve_inputs
+    from pipeline.run.specs import model_specs
 
     shards = _guard(resolve_inputs, job)
     typer.echo(f"ok: {len(shards)} input shards found")
     for spec in model_specs(job).values():
         weights = _guard(check_weights_available, spec)
         typer.echo(f"ok: model {job.model.name}: {weights.describe()}")
-    from pipeline.run.runner import embeddings_source
+    from pipeline.run.specs import embeddings_source
 
     folder = _guard(embeddings_source, job)
     if folder is not None:

@@ -18,8 +18,9 @@ from log_capture import console_output
 
 from pipeline.clients.read import read_labels
 from pipeline.config import load_job
-from pipeline.io.layout import RunLayout
-from pipeline.run.runner import coteach_spec, resolve_inputs, run_job
+from pipeline.io.layout import BASELINE_SUMMARY, RunLayout
+from pipeline.run.runner import resolve_inputs, run_job
+from pipeline.run.specs import coteach_spec
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -197,7 +198,7 @@ def test_vanilla_and_oracle_use_the_same_trainer(sps_run, corpus, tmp_path):
     truth = pq.read_table(corpus / "ground_truth.parquet", columns=["key", "kind"])
     clean = {k for k, kind in zip(*truth.to_pydict().values(), strict=True) if kind == "clean"}
     written = set()
-    for path in Path(layout.round_dir(1), "labels_oracle").glob("*.parquet"):
+    for path in Path(layout.baseline_dir(1, "oracle")).glob("*.parquet"):
         written |= set(pq.read_table(path).column("key").to_pylist())
     assert written == clean
     trained = metrics["rounds"]["1"]["train"]["views"]["A"]
@@ -211,8 +212,9 @@ def test_cosine_filter_trains_on_the_highest_cosine_pairs(sps_run, tmp_path):
     job = _one_round_after(sps_run, tmp_path / "filter", "cosine_filter", filter_fraction=0.5)
     metrics = run_job(job)
     layout = RunLayout(job.output)
-    folder = Path(layout.round_dir(1), "labels_cosine_filter")
-    record = json.loads((folder / "_filter.json").read_text())
+    folder = Path(layout.baseline_dir(1, "cosine_filter"))
+    record = json.loads((folder / BASELINE_SUMMARY).read_text())
+    assert record["run_state"]["stage"] == "round1/filter"
     kept = sum(record["kept"].values())
     embedded = pq.read_table(Path(layout.round_dir(1), "embeddings")).select(
         ["key", "cosine_a", "cosine_b"]
@@ -245,15 +247,16 @@ def test_the_filter_scores_with_the_initial_or_the_warmed_models(
 ):
     """train.filter_scorer initial keeps the top pairs by the job's starting model (round 0's
     one view, scored once: DataComp's filter); warmed by the mean of the two warmed models."""
-    from pipeline.run.train_specs import _cosine_filter
+    from pipeline.run.specs import write_baseline
 
     job = _one_round_after(
         sps_run, tmp_path / scorer, "cosine_filter", filter_fraction=0.4, filter_scorer=scorer
     )
     layout = RunLayout(job.output)
-    sizes = {p.stem: 0 for p in Path(layout.embeddings_dir(1)).glob("*.parquet")}
-    folder, kept = _cosine_filter(job, layout, sizes, 1)
-    assert json.loads(Path(folder, "_filter.json").read_text())["scorer"] == scorer
+    folder = layout.baseline_dir(1, "cosine_filter")
+    summary = write_baseline(job, layout, "filter", 1, resolve_inputs(job), folder)
+    assert summary["scorer"] == scorer
+    kept = summary["kept"]
     embedded = pq.read_table(Path(layout.round_dir(scored_round), "embeddings"))
     mean = sum(embedded.column(c).to_numpy() for c in columns) / len(columns)
     scores = dict(zip(embedded.column("key").to_pylist(), mean, strict=True))

@@ -41,7 +41,7 @@ def _write_part(root, index: int, columns: dict, image: np.ndarray, text: np.nda
 
 def _encode_corpus(paths: list[str], job) -> dict:
     """Every decodable pair of the shards, embedded by the job's round-0 model (view a)."""
-    from pipeline.run.runner import model_specs
+    from pipeline.run.specs import model_specs
 
     return _encode_with(model_specs(job)["a"], paths)
 
@@ -241,7 +241,7 @@ def test_under_sources_the_folder_names_its_source(tmp_path):
 
 
 def test_embeddings_of_another_dimension_are_refused(tmp_path):
-    from pipeline.run.runner import embeddings_source
+    from pipeline.run.specs import embeddings_source
 
     vectors = np.ones((2, 8), np.float16)
     _write_part(tmp_path / "emb", 0, {"key": ["a", "b"], "caption": ["x", "y"]}, vectors, vectors)

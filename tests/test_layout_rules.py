@@ -293,7 +293,7 @@ def test_marker_file_names_are_spelled_once_in_io_layout():
         layout.MANIFEST_NAME,
         layout.LEASE_NAME,
         layout.LABEL_PASS_SUMMARY,
-        layout.FILTER_SUMMARY,
+        layout.BASELINE_SUMMARY,
         layout.INDEX_DESCRIPTION,
         layout.LABELS_POINTER,
     }

@@ -13,8 +13,8 @@ from cli_job import run_cli, write_corpus, write_job
 
 from pipeline.config import load_job
 from pipeline.io.layout import RunLayout
+from pipeline.run.graph import stage_graph
 from pipeline.run.manifest import REBUILT, read_manifest
-from pipeline.run.state import stage_graph
 
 ONE_ROUND = ("--set", "train.rounds=1", "--set", "train.epochs_per_round=1")
 
@@ -54,7 +54,7 @@ def test_a_truncated_or_garbage_manifest_is_rebuilt_and_every_finished_stage_reu
     output = tmp_path / "run"
     job = write_job(corpus, output)
     # Every stage of the job with ONE_ROUND: each kind of stage summary.
-    every_stage = [n.stage for n in stage_graph(load_job(job, list(ONE_ROUND[1::2])))]
+    every_stage = [n.name for n in stage_graph(load_job(job, list(ONE_ROUND[1::2])))]
     first = run_cli("run", str(job), *ONE_ROUND, timeout=600)
     assert first.returncode == 0, first.stdout[-3000:]
     labels = _published(output)

@@ -233,16 +233,16 @@ def test_a_relative_checkpoint_path_is_made_absolute_for_the_workers(tmp_path, m
     """Ray Train workers run in a directory of their own: a job's relative checkpoint path
     must reach them as an absolute one, while a pretrained tag stays a tag."""
     from pipeline.config import load_job
-    from pipeline.run.runner import _with_absolute_paths
+    from pipeline.run.specs import with_absolute_paths
 
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / "teacher.pt").write_bytes(b"")
     monkeypatch.chdir(tmp_path)
     job_file = tmp_path / "job.yaml"
     job_file.write_text("name: t\ninput: {shards: x.tar}\noutput: out\nmodel: {name: ncl-tiny}\n")
-    job = _with_absolute_paths(load_job(job_file, ["model.pretrained=w/teacher.pt"]))
+    job = with_absolute_paths(load_job(job_file, ["model.pretrained=w/teacher.pt"]))
     assert job.model.pretrained == str(tmp_path / "w" / "teacher.pt")
-    tagged = _with_absolute_paths(load_job(job_file, ["model.pretrained=openai"]))
+    tagged = with_absolute_paths(load_job(job_file, ["model.pretrained=openai"]))
     assert tagged.model.pretrained == "openai"
 
 
@@ -250,13 +250,12 @@ def test_model_cache_dir_reaches_every_model_the_run_loads(tmp_path, monkeypatch
     """The embed pass (round 0's view, each round's views) and the trainers (their initial
     models) get `model.cache_dir`, made absolute for workers that run elsewhere."""
     from pipeline.config import load_job
-    from pipeline.run.runner import _with_absolute_paths, model_specs
-    from pipeline.run.train_specs import round_models
+    from pipeline.run.specs import model_specs, round_models, with_absolute_paths
 
     monkeypatch.chdir(tmp_path)
     job_file = tmp_path / "job.yaml"
     job_file.write_text("name: t\ninput: {shards: x.tar}\noutput: out\nmodel: {name: ncl-tiny}\n")
-    job = _with_absolute_paths(load_job(job_file, ["model.cache_dir=weights"]))
+    job = with_absolute_paths(load_job(job_file, ["model.cache_dir=weights"]))
     specs = [*model_specs(job).values(), *round_models(job, {"A": "a.pt"}).values()]
     assert [s.cache_dir for s in specs] == [str(tmp_path / "weights")] * 3
 

@@ -91,7 +91,7 @@ def test_enospc_in_a_stage_is_one_sentence_with_the_estimate(local_ray, tmp_path
     )
     job = job.model_copy(update={"eval": job.eval.model_copy(update={"ground_truth": None})})
 
-    def full_disk(job, layout, shard_paths, views, run):
+    def full_disk(run, until):
         run.stage = STAGE
         raise OSError(errno.ENOSPC, "No space left on device")
 

@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 
 from pipeline.config import JobConfig
 from pipeline.io.layout import RunLayout
+from pipeline.run.graph import stage_graph
 from pipeline.run.state import (
     STAGE_KEY_META,
     RunState,
@@ -19,7 +20,6 @@ from pipeline.run.state import (
     shard_key,
     shards_token,
     stage_config,
-    stage_graph,
 )
 
 
@@ -52,7 +52,7 @@ def test_each_stage_hashes_exactly_the_keys_it_depends_on():
     labels = stage_config(job, "labels")
     assert "labels.bicro.theta" in labels and "mixture.kind" in labels
     assert not any(k.startswith(("labels.rcr", "labels.sps", "train.")) for k in labels)
-    assert "index.shards" not in labels  # the labels are the same whatever the index shards
+    assert "index.shards" in labels  # IVF codebooks train on the first index shard's rows
     train = stage_config(job, "train")
     assert {"train.rounds", "train.lr", "labels.method", "labels.bicro.theta"} <= set(train)
     vanilla = stage_config(_job(train={"rounds": 1, "mode": "vanilla"}), "train")
@@ -89,7 +89,7 @@ def test_every_labels_setting_keys_the_label_passes():
 
 def test_stage_graph_follows_the_runner_and_train_mode():
     job = _job()
-    nodes = {n.stage: n for n in stage_graph(job)}
+    nodes = {n.name: n for n in stage_graph(job)}
     assert list(nodes) == [
         "round0/embed",
         "round0/keys",
@@ -110,10 +110,32 @@ def test_stage_graph_follows_the_runner_and_train_mode():
         "round1/labels_b",
     )
     assert nodes["round2/embed"].inputs == ("round0/keys", "round1/train")
-    vanilla = {n.stage: n for n in stage_graph(_job(train={"rounds": 1, "mode": "vanilla"}))}
+    vanilla = {n.name: n for n in stage_graph(_job(train={"rounds": 1, "mode": "vanilla"}))}
     assert vanilla["round1/train"].inputs == ("round1/embed", "round0/warmup")
-    cold = {n.stage: n for n in stage_graph(_job(train={"rounds": 0, "warmup_epochs": 0}))}
+    cold = {n.name: n for n in stage_graph(_job(train={"rounds": 0, "warmup_epochs": 0}))}
     assert "round0/warmup" not in cold and cold["round1/embed"].inputs == ("round0/keys",)
+
+
+def test_the_baselines_label_sources_are_stages():
+    """oracle: one table per round from that round's pairs; cosine_filter: one table made in
+    round 1 (from the scorer's embed pass, and round 1's mixtures for the fitted fraction)."""
+    truth = {"ground_truth": "/data/ground_truth.parquet"}
+    oracle_job = _job(train={"rounds": 2, "mode": "oracle"}, eval=truth)
+    oracle = {n.name: n for n in stage_graph(oracle_job)}
+    assert oracle["round2/oracle"].inputs == ("round2/embed",)
+    assert oracle["round2/train"].inputs == ("round2/embed", "round1/train", "round2/oracle")
+    names = list(oracle)
+    assert names.index("round1/oracle") < names.index("round1/train")
+    fitted = {n.name: n for n in stage_graph(_job(train={"rounds": 2, "mode": "cosine_filter"}))}
+    assert "round2/filter" not in fitted
+    assert fitted["round1/filter"].inputs == ("round1/embed", "round1/labels_a", "round1/labels_b")
+    assert fitted["round2/train"].inputs[-1] == "round1/filter"
+    initial = _job(
+        model={"name": "ncl-tiny", "pretrained": "/w/teacher.pt"},
+        train={"rounds": 1, "mode": "cosine_filter", "filter_fraction": 0.5},
+    )
+    scored = {n.name: n for n in stage_graph(initial)}["round1/filter"]
+    assert scored.inputs == ("round0/embed",)  # the initial model, scored once; no mixtures
 
 
 def _key(lr=1e-3, warmup="w1", shards="s1") -> StageKey:
@@ -183,7 +205,7 @@ def test_an_embed_plan_redoes_missing_and_foreign_tables_and_everything_after_ne
     tmp_path,
 ):
     job = _job(output=str(tmp_path))
-    node = next(n for n in stage_graph(job) if n.stage == "round1/embed")
+    node = next(n for n in stage_graph(job) if n.name == "round1/embed")
     layout = RunLayout(str(tmp_path))
     round0 = {"00000": "k0", "00001": "k1"}
     plan = embed_plan(job, node, {}, set(), layout, round0)
@@ -208,7 +230,7 @@ def test_run_state_records_start_and_finish():
     records: dict = {}
     state = RunState(records, save=lambda: saved.append(dict(records)))
     key = _key()
-    assert not state.decide(key).reuse
+    assert not decide(key, records.get(key.stage)).reuse
     state.start(key)
     assert records["round1/train"]["status"] == "running" and len(saved) == 1
     state.finish("round1/train", {"views": {}})
@@ -216,7 +238,8 @@ def test_run_state_records_start_and_finish():
     assert record["status"] == "done" and record["key"] == key.key and record["seconds"] >= 0
     assert state.recomputed == {"round1/train"} and state.tokens["round1/train"] == key.key
     again = RunState(records)
-    assert again.decide(key).reuse and again.summary("round1/train") == {"views": {}}
+    assert decide(key, again.records[key.stage]).reuse
+    assert again.summary("round1/train") == {"views": {}}
 
 
 def test_a_changed_method_names_its_sections():

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "FILTER_SUMMARY",
+    "BASELINE_SUMMARY",
     "INDEX_DESCRIPTION",
     "LABEL_PASS_SUMMARY",
     "LEASE_NAME",
@@ -43,7 +43,7 @@ MANIFEST_NAME = "manifest.json"  # the run's record (pipeline.run.manifest)
 LEASE_NAME = "_lease.json"  # the run writing the directory (pipeline.run.lease)
 # A label pass's summary beside its tables, and the published generation's (written last)
 LABEL_PASS_SUMMARY = "_label_pass.json"
-FILTER_SUMMARY = "_filter.json"  # the cosine-filter tables' summary, written last
+BASELINE_SUMMARY = "_baseline.json"  # the oracle's or cosine filter's tables' summary, last
 INDEX_DESCRIPTION = "_index.json"  # what a round's index folder holds
 
 
@@ -148,6 +148,10 @@ class RunLayout:
         unusable GPU): written by the worker that hit it, read by every retried worker group
         and by the driver (`pipeline.stages.train.driver`)."""
         return self._join("rounds", round_index, "checkpoints", "train_error.json")
+
+    def baseline_dir(self, round_index: int, mode: str) -> str:
+        """The label tables of train.mode oracle (per round) or cosine_filter (round 1's)."""
+        return self._join("rounds", round_index, f"labels_{mode}")
 
     def train_summary(self, round_index: int) -> str:
         """Written last by training (the round's summary; whether the round is complete and

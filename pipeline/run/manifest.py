@@ -4,13 +4,14 @@ A manifest that cannot be read as a JSON object (cut short by a full disk, overw
 corrupted) gives one warning and a run state rebuilt from what the outputs themselves record
 (`rebuild_stages`): every stage other than an embed pass writes its run-state key
 (`RUN_STATE_FIELD`: stage, key, config, inputs) into the summary it writes last (the keys
-check's `_keys.json`, `train_summary.json`, a label pass's `_label_pass.json`, the published
-generation's `_label_pass.json`), and each embeddings table carries its shard's key in its
-footer (`pipeline.run.state.table_keys`). The rebuilt records go through the same decisions as
-a manifest's (`pipeline.run.state.decide`): a stage is reused only when its recorded key is the
-key the job computes now and its outputs are there; anything else is recomputed. `run_job` keeps
-the damaged file aside as `manifest.json.damaged-<time>`; `ncl-pipeline status` reads the same
-way and changes nothing.
+check's `_keys.json`, `train_summary.json`, a label pass's `_label_pass.json`, a baseline's
+`_baseline.json`, the published generation's `_label_pass.json`), and each embeddings table
+carries its shard's key in its footer (`pipeline.run.state.table_keys`). The rebuilt records go
+through the same decisions as a manifest's (`pipeline.run.state.decide`): a stage is reused only
+when its recorded key is the key the job computes now and its outputs are there; anything else
+is recomputed. `run_job` keeps the damaged file aside as `manifest.json.damaged-<time>`;
+`ncl-pipeline status` reads the same way and changes nothing. `check_resume` refuses a directory
+that holds another job's results.
 """
 
 from __future__ import annotations
@@ -19,9 +20,18 @@ import datetime as _dt
 import json
 import logging
 
-from pipeline.io.layout import LABEL_PASS_SUMMARY, RUN_STATE_FIELD, RunLayout
+from pipeline.config import JobConfig
+from pipeline.errors import UserError
+from pipeline.io.layout import BASELINE_SUMMARY, LABEL_PASS_SUMMARY, RUN_STATE_FIELD, RunLayout
 
-__all__ = ["DAMAGED_SUFFIX", "REBUILT", "read_manifest", "rebuild_stages"]
+__all__ = [
+    "DAMAGED_SUFFIX",
+    "REBUILT",
+    "RunConflictError",
+    "check_resume",
+    "read_manifest",
+    "rebuild_stages",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +71,10 @@ def _summaries(layout: RunLayout) -> list[str]:
     for r in rounds:
         paths.append(layout.train_summary(r))
         paths += [f"{layout.labels_round_dir(r, v)}/{LABEL_PASS_SUMMARY}" for v in ("a", "b")]
+        paths += [
+            f"{layout.baseline_dir(r, mode)}/{BASELINE_SUMMARY}"
+            for mode in ("oracle", "cosine_filter")
+        ]
     paths.append(f"{published_labels_folder(layout.labels_dir)}/{LABEL_PASS_SUMMARY}")
     return paths
 
@@ -131,3 +145,25 @@ def read_manifest(layout: RunLayout, *, keep_aside: bool) -> dict | None:
         kept = f"could not be kept aside ({error}) and is replaced"
     logger.warning(f"{path} is damaged ({why}); it is {kept}, and {how}.")
     return rebuilt
+
+
+class RunConflictError(UserError, RuntimeError):
+    """The output directory holds the results of another job (another job name)."""
+
+
+def check_resume(job: JobConfig, layout: RunLayout) -> dict:
+    """The output directory's manifest; refuse a directory that holds another job's results.
+
+    A changed configuration of the same job is not refused: the run state recomputes what it
+    changed (docs/architecture.md §4.3). Another job name is: running it there would replace
+    the other job's labels, which is more likely a wrong `output` than an intent.
+    """
+    manifest = read_manifest(layout, keep_aside=True) or {}
+    recorded = manifest.get("job_name")
+    if recorded and recorded != job.name and manifest.get("stages"):
+        raise RunConflictError(
+            f"output '{layout.output}' holds the results of job '{recorded}', not '{job.name}'; "
+            f"running it there would replace them. Use a new output directory (--set "
+            f"output=...), or --set name={recorded} to update that run with this configuration."
+        )
+    return manifest

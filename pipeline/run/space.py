@@ -17,7 +17,7 @@ import shutil
 from collections.abc import Collection
 
 from pipeline.io.layout import RunLayout
-from pipeline.run.state import stage_graph
+from pipeline.run.graph import stage_graph
 
 __all__ = [
     "PER_PAIR_BYTES",
@@ -90,7 +90,7 @@ def estimate_output_bytes(
     `checkpoint_bytes` per training stage (one round's checkpoint folder, both views)."""
     total = 0
     for node in stage_graph(job):
-        if node.stage in done:
+        if node.name in done:
             continue
         if node.kind == "embed":
             total += pairs * PER_PAIR_BYTES["embed0" if node.round_index == 0 else "embed"]

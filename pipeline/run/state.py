@@ -13,9 +13,9 @@ Embed passes are decided per shard: every embeddings table carries its shard's k
 footer (`STAGE_KEY_META`); a shard whose table has the expected key is reused, so adding a
 shard embeds only that shard (and then recomputes every corpus-wide stage).
 
-Pure: hashing and decisions only, plus `outputs_present` / `table_keys`, which look at files.
-`pipeline.run.runner` runs the stages with it; `ncl-pipeline status` (`pipeline.run.status`)
-predicts a rerun with the same functions.
+Pure: hashing and decisions only, plus `table_keys`, which reads footers. The stages and the one
+plan function over them are `pipeline.run.graph`; the runner and `ncl-pipeline status` both
+plan with it.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
-import logging
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.io.layout import LABEL_PASS_SUMMARY, STAGE_KEY_META
+from pipeline.config import resources_only_fields
+from pipeline.io.layout import STAGE_KEY_META
 
 __all__ = [
     "DEPENDS_ON",
@@ -38,7 +38,6 @@ __all__ = [
     "EmbedPlan",
     "RunState",
     "StageKey",
-    "StageNode",
     "decide",
     "digest",
     "embed_plan",
@@ -46,11 +45,7 @@ __all__ = [
     "shard_key",
     "shards_token",
     "stage_config",
-    "stage_graph",
 ]
-
-logger = logging.getLogger(__name__)
-
 
 _DECODE = ("input.image_key", "input.caption_key", "input.max_image_pixels")
 _OPTIMISER = (
@@ -73,6 +68,7 @@ DEPENDS_ON: dict[str, tuple[str, ...]] = {
         "embed.batch_size",
         "embed.loss_permutations",
         "embed.decode",  # the device decode's pixels differ from PIL's by a level or two
+        "embed.from_embeddings.key_column",
         "seed",
     ),
     "keys": ("input.sources",),
@@ -96,20 +92,17 @@ DEPENDS_ON: dict[str, tuple[str, ...]] = {
         "mixture",
         "index.factory",
         "index.nprobe",
+        "index.shards",  # IVF codebooks train on the first index shard's rows
         "eval.ground_truth",
         "seed",
     ),
+    "oracle": ("eval.ground_truth",),
+    "filter": ("train.filter_fraction", "train.filter_scorer"),
     "train": (*_DECODE, "model", "seed", "train", "eval"),
     "publish": ("eval.ground_truth",),
 }
 # Inside the sections above, these change how fast a stage runs, not what it produces.
-NOT_RESULTS = (
-    "train.torch_threads",
-    "train.report_to",
-    "train.checkpoint_every_steps",
-    "train.checkpoint_every_s",
-    "model.cache_dir",
-)
+NOT_RESULTS = tuple(resources_only_fields())  # marked in the config model (RESOURCES_ONLY)
 _TRAIN_READS_LABELS = ("labels.method", "labels.{method}")  # coteach mode only
 
 
@@ -269,56 +262,10 @@ def decide(
 
 
 # ------------------------------------------------------------------------------------------
-# The stages of a job, in order
+# Embed passes: decided per shard
 
 
-@dataclass(frozen=True)
-class StageNode:
-    stage: str
-    kind: str  # a key of DEPENDS_ON
-    round_index: int
-    inputs: tuple[str, ...]  # the stages it reads
-
-
-def stage_graph(job) -> list[StageNode]:
-    """The stages `run_job` runs for `job`, in order, with the stages each reads."""
-    nodes = [
-        StageNode("round0/embed", "embed", 0, ()),
-        StageNode("round0/keys", "keys", 0, ("round0/embed",)),
-    ]
-    models: tuple[str, ...] = ()
-    if job.train.warmup_epochs > 0:
-        nodes.append(StageNode("round0/warmup", "warmup", 0, ("round0/keys",)))
-        models = ("round0/warmup",)
-    last = job.train.rounds + 1
-    labels_of = {r: (f"round{r}/labels_a", f"round{r}/labels_b") for r in range(1, last + 1)}
-    for r in range(1, last + 1):
-        embed = f"round{r}/embed"
-        nodes.append(StageNode(embed, "embed", r, ("round0/keys", *models)))
-        nodes += [StageNode(label, "labels", r, (embed,)) for label in labels_of[r]]
-        if r == last:
-            break
-        read = ()
-        if job.train.mode == "coteach":
-            read = labels_of[r]
-        elif job.train.mode == "cosine_filter":  # the scorer's cosines, round 1's mixtures
-            scored = "round0/embed" if job.filter_scorer() == "initial" else "round1/embed"
-            read = (scored, *labels_of[1])
-        inputs = tuple(dict.fromkeys((embed, *models, *read)))
-        nodes.append(StageNode(f"round{r}/train", "train", r, inputs))
-        models = (f"round{r}/train",)
-    nodes.append(StageNode("publish", "publish", last, (f"round{last}/embed", *labels_of[last])))
-    return nodes
-
-
-def stage_key(job, node: StageNode, tokens: Mapping[str, str], shards: str) -> StageKey:
-    """The key of a stage other than an embed pass: config, its inputs' tokens, its shards."""
-    inputs = {name: tokens.get(name, "") for name in node.inputs}
-    inputs["shards"] = shards
-    return StageKey(node.stage, stage_config(job, node.kind), inputs)
-
-
-def embed_base(job, node: StageNode, tokens: Mapping[str, str]) -> StageKey:
+def embed_base(job, node, tokens: Mapping[str, str]) -> StageKey:
     """An embed pass's key before its shards: config and the models and admission it reads;
     round 0 from embed.from_embeddings also the folder's identity (its files' sizes and times:
     rewritten embeddings are ingested again)."""
@@ -329,7 +276,7 @@ def embed_base(job, node: StageNode, tokens: Mapping[str, str]) -> StageKey:
         given = job.embed.from_embeddings
         token = folder_token(given.path)
         inputs["from_embeddings"] = token if given.source is None else f"{given.source}:{token}"
-    return StageKey(node.stage, stage_config(job, "embed"), inputs)
+    return StageKey(node.name, stage_config(job, "embed"), inputs)
 
 
 def embed_key(base: StageKey, shard_keys: Mapping[str, str]) -> StageKey:
@@ -343,7 +290,7 @@ def pending_shards(expected: Mapping[str, str], found: Mapping[str, str | None])
 
 
 def round0_shard_keys(
-    job, node: StageNode, tokens: Mapping[str, str], paths: Mapping[str, str]
+    job, node, tokens: Mapping[str, str], paths: Mapping[str, str]
 ) -> dict[str, str]:
     """Shard -> the key of its round-0 embeddings: the embed config and the shard's identity
     (name, size, path); every later stage of the shard builds on it."""
@@ -370,7 +317,7 @@ class EmbedPlan:
 
 def embed_plan(
     job,
-    node: StageNode,
+    node,
     tokens: Mapping[str, str],
     recomputed: Collection[str],
     layout,
@@ -439,18 +386,6 @@ class RunState:
         self.tokens: dict[str, str] = {}  # stage -> the token its readers hash
         self._started: dict[str, float] = {}
 
-    def decide(self, current: StageKey, outputs_present: bool = True) -> Decision:
-        decision = decide(
-            current,
-            self.records.get(current.stage),
-            recomputed=self.recomputed,
-            outputs_present=outputs_present,
-        )
-        logger.info(f"{current.stage}: {decision.describe()}")
-        if decision.reuse:
-            self.tokens[current.stage] = current.key
-        return decision
-
     def summary(self, stage: str) -> dict:
         return self.records[stage]["summary"]
 
@@ -502,26 +437,3 @@ def table_keys(paths: Mapping[str, str]) -> dict[str, str | None]:
         footer = read_embeddings_footer(path)
         found[shard] = None if footer is None else footer.stage_key
     return found
-
-
-def outputs_present(layout, node: StageNode, shards: Collection[str]) -> bool:
-    """Whether the files a done stage made (and its readers need) are still there."""
-    from pipeline.io.generations import published_labels_folder
-    from pipeline.io.paths import folder_names
-
-    kind, r = node.kind, node.round_index
-    if kind in ("warmup", "train"):
-        return all(
-            layout.model_checkpoint(r, view).rsplit("/", 1)[-1]
-            in folder_names(layout.checkpoint_dir(r, view))
-            for view in ("A", "B")
-        )
-    if kind in ("labels", "publish"):
-        folder = (
-            published_labels_folder(layout.labels_dir)
-            if kind == "publish"
-            else layout.labels_round_dir(r, node.stage.rsplit("_", 1)[-1])
-        )
-        have = folder_names(folder)
-        return LABEL_PASS_SUMMARY in have and all(f"{s}.parquet" in have for s in shards)
-    return True

@@ -1,8 +1,8 @@
 """`ncl-pipeline status RUN`: a run directory's stages (done, pending, stale), their times, and
 what a rerun would reuse and recompute; no Ray, nothing written.
 
-The prediction uses the run state's own functions (`pipeline.run.state`: the stage graph, the
-keys, `decide`) on what is on disk: the manifest's stage records, the embeddings footers, the
+The prediction is the runner's loop as a dry run: the same graph and plan function
+(`pipeline.run.graph`) on what is on disk: the manifest's stage records, the embeddings footers, the
 stages' outputs and the input shards' sizes. It assumes that a shard without embeddings is
 embedded by the rerun, except a shard that failed last time (`shards.failed` in the manifest):
 that one is assumed to fail again (said in the output).
@@ -17,20 +17,10 @@ from pipeline.config import JobConfig
 from pipeline.errors import UserError
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import expand_sources, shard_name
+from pipeline.run.graph import plan_stage, stage_graph
 from pipeline.run.lease import LeaseHolder, read_holder
 from pipeline.run.manifest import REBUILT, read_manifest
-from pipeline.run.state import (
-    Decision,
-    embed_key,
-    embed_plan,
-    embed_reason,
-    outputs_present,
-    round0_shard_keys,
-    shards_token,
-    stage_graph,
-    stage_key,
-    table_keys,
-)
+from pipeline.run.state import Decision, RunState, round0_shard_keys, table_keys
 
 __all__ = ["RunStatusError", "Prediction", "predict_rerun", "run_status"]
 
@@ -53,23 +43,10 @@ def _manifest(run_dir: str) -> dict:
     return manifest
 
 
-def _embed_decision(job, node, layout, state, usable: dict[str, str], retried: dict[str, str]):
-    """An embed pass: reused when every usable shard has its table under its key. Returns
-    (decision, its token, whether its readers count it as recomputed: a retried shard that
-    fails again changes nothing downstream)."""
-    round0_keys = {**usable, **retried} if node.round_index == 0 else usable
-    plan = embed_plan(job, node, state["tokens"], state["recomputed"], layout, round0_keys)
-    base, expected, found, pending = plan.base, plan.expected, plan.found, plan.pending
-    final = embed_key(base, {name: expected[name] for name in usable if name in expected})
-    if not pending:
-        return Decision(node.stage, True), final.key, False
-    why = embed_reason(base, state["records"].get(node.stage), pending, found, state["recomputed"])
-    return Decision(node.stage, False, why), final.key, any(s not in retried for s in pending)
-
-
 def predict_rerun(run_dir: str, job: JobConfig, manifest: dict | None = None) -> Prediction:
-    """What `run_job(job)` into `run_dir` would reuse and recompute, stage by stage."""
-    from pipeline.run.state import decide
+    """What `run_job(job)` into `run_dir` would reuse and recompute, stage by stage: the
+    runner's loop with the same plan function (`pipeline.run.graph.plan_stage`), nothing run."""
+    from pipeline.run.kinds import outputs_present
 
     manifest = manifest if manifest is not None else _manifest(run_dir)
     layout = RunLayout(run_dir)
@@ -80,32 +57,23 @@ def predict_rerun(run_dir: str, job: JobConfig, manifest: dict | None = None) ->
     failed = {f["shard"] for f in (manifest.get("shards") or {}).get("failed", [])}
     retried = sorted(name for name in keys if found[name] is None and name in failed)
     usable = {name: key for name, key in keys.items() if name not in retried}
-    retried_keys = {name: keys[name] for name in retried}
-    state = {"records": manifest.get("stages") or {}, "tokens": {}, "recomputed": set()}
+    state = RunState(dict(manifest.get("stages") or {}))
     decisions: dict[str, Decision] = {}
-    shards = shards_token(usable)
-    for node in graph:
-        if node.kind == "embed":
-            decision, token, changed = _embed_decision(
-                job, node, layout, state, usable, retried_keys
-            )
-        else:
-            current = stage_key(job, node, state["tokens"], shards)
-            recorded = state["records"].get(node.stage) or {}
-            present = True
-            if recorded.get("key") == current.key and recorded.get("status") == "done":
-                present = outputs_present(layout, node, list(usable))
-            decision = decide(
-                current,
-                state["records"].get(node.stage),
-                recomputed=state["recomputed"],
-                outputs_present=present,
-            )
-            token, changed = current.key, not decision.reuse
-        state["tokens"][node.stage] = token
-        if changed:
-            state["recomputed"].add(node.stage)
-        decisions[node.stage] = decision
+    for stage in graph:
+        first = stage.name == "round0/embed"
+        planned = plan_stage(
+            job,
+            layout,
+            stage,
+            state,
+            keys if first else usable,
+            lambda s, shards: outputs_present(layout, s, shards),
+            expected_to_fail=retried if first else (),
+        )
+        state.tokens[stage.name] = planned.token
+        if planned.recomputes:
+            state.recomputed.add(stage.name)
+        decisions[stage.name] = planned.decision
     return Prediction(decisions, len(paths), retried)
 
 

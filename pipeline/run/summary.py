@@ -1,14 +1,21 @@
 """The run's console summaries: the embed pass, the warm-up, each co-teaching round, the
-co-teaching table (logged by `pipeline.run.runner`)."""
+co-teaching table (logged by the stage kinds, `pipeline.run.kinds`)."""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from pipeline.config import JobConfig
 from pipeline.io.layout import RunLayout
 
-__all__ = ["log_coteaching", "log_embed_summary", "log_round", "log_warmup"]
+__all__ = [
+    "coteaching_table",
+    "log_coteaching",
+    "log_embed_summary",
+    "log_round",
+    "log_warmup",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -107,3 +114,27 @@ def log_embed_summary(embed: dict, layout: RunLayout) -> None:
         f"  outputs:      {layout.embeddings_dir(0)}/, {layout.quarantine_dir}/, {layout.metrics}"
     )
     logger.info("\n".join(lines))
+
+
+def coteaching_table(job: JobConfig, rounds: dict, published: dict) -> list[dict]:
+    """One row per model generation g (0 = warmed up, g = after co-teaching round g): its
+    held-out retrieval and the quality of the labels it estimated (round g + 1's passes)."""
+    method = job.labels.method
+    rows = []
+    for generation in range(job.train.rounds + 1):
+        trained = rounds.get(str(generation), {})
+        labelled = rounds.get(str(generation + 1), {})
+        row: dict[str, Any] = {"models": generation, "labels_round": generation + 1}
+        for view in ("a", "b"):
+            quality = ((labelled.get(f"labels_{view}") or {}).get("quality") or {}).get(method)
+            row[f"auroc_{view}"] = quality and quality.get("auroc")
+            row[f"spearman_{view}"] = quality and quality.get("spearman")
+        retrieval = trained.get("retrieval") or {}
+        for name in ("A", "B", "A+B"):
+            row[f"rsum_{name}"] = (retrieval.get(name) or {}).get("rsum")
+        rows.append(row)
+    combined = (published.get("quality") or {}).get("combined")
+    if rows and combined:
+        rows[-1]["auroc_combined"] = combined.get("auroc")
+        rows[-1]["spearman_combined"] = combined.get("spearman")
+    return rows
