@@ -1,13 +1,22 @@
-"""Resource preflight: the pure check on node lists, the GPU limits of the index config, and a
-refusal end to end (a job no node can host fails in seconds, naming the key)."""
+"""Resource preflight: the pure check on node lists (against a brute-force placement), the
+requests each stage declares (the ones it passes to Ray), the GPU limits of the index config,
+and refusals end to end (a job no node can host fails in seconds, naming the key)."""
 
 from __future__ import annotations
 
+import ast
+import itertools
+import logging
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 from pipeline.config import JobConfig, JobConfigError
 from pipeline.core.search.faiss_gpu import gpu_index_problems
-from pipeline.runtime.preflight import check_requests, plan_requests
+from pipeline.run.resources import STAGE_REQUESTS, job_requests
+from pipeline.run.state import DEPENDS_ON
+from pipeline.runtime.preflight import Request, check_cluster, check_requests, resources_of
 
 BASE = {
     "name": "preflight",
@@ -15,14 +24,19 @@ BASE = {
     "output": "/tmp/preflight-run",
     "model": {"name": "ncl-tiny"},
 }
+STAGES = Path(__file__).resolve().parents[1] / "pipeline" / "stages"
 
 
 def _job(**sections) -> JobConfig:
     return JobConfig.model_validate({**BASE, **sections})
 
 
+def _findings(job: JobConfig, nodes: list[dict]):
+    return check_requests(job_requests(job, sum(n.get("GPU", 0) for n in nodes)), nodes)
+
+
 def _problems(job: JobConfig, nodes: list[dict]) -> list[str]:
-    return check_requests(plan_requests(job, sum(n.get("GPU", 0) for n in nodes)), nodes)
+    return _findings(job, nodes).problems
 
 
 def test_embed_worker_larger_than_every_node_is_refused():
@@ -66,6 +80,159 @@ def test_index_actors_on_gpu_need_gpus():
     assert _problems(job, [{"CPU": 4.0, "GPU": 1.0}, {"CPU": 4.0, "GPU": 1.0}]) == []
     refused = _problems(job, [{"CPU": 4.0, "GPU": 1.0}])  # two actors, one GPU
     assert len(refused) == 1 and "index.shards" in refused[0]
+
+
+def test_gpu_training_workers_want_their_reader_cpus():
+    """On GPUs each worker's readers would use READER_CPUS_PER_GPU CPUs: fewer is a warning
+    (training waits for data), none beside a worker a refusal (its readers never run)."""
+    from pipeline.stages.train.data import READER_CPUS_PER_GPU
+
+    job = _job(train={"workers": 2})
+    own_cpu = {"CPU": 1.0, "GPU": 1.0}  # the worker's own CPU, none for its readers
+    refused = _findings(job, [own_cpu, own_cpu])
+    assert len(refused.problems) == 1 and "train.workers" in refused.problems[0], refused
+    assert "plus 2 CPU for the Ray Data tasks" in refused.problems[0]
+    starved = _findings(job, [{"CPU": 2.0, "GPU": 1.0}] * 2)
+    assert starved.problems == [] and len(starved.warnings) == 1, starved
+    assert "leave 2 CPU" in starved.warnings[0]
+    assert f"fewer than the {2 * READER_CPUS_PER_GPU}" in starved.warnings[0]
+    fed = {"CPU": 1.0 + READER_CPUS_PER_GPU, "GPU": 1.0}
+    assert _findings(job, [fed, fed]).warnings == []
+    # Ray Data runs the readers on any node with a free CPU: a CPU node can feed the GPUs.
+    assert _findings(job, [own_cpu, own_cpu, {"CPU": 2.0 * READER_CPUS_PER_GPU}]).warnings == []
+    # On CPU the readers share the node's cores with the trainer: no count is wanted.
+    assert _findings(job, [{"CPU": 4.0}]).warnings == []
+
+
+def _brute_force_fits(request: Request, nodes: list[dict]) -> bool:
+    """Some assignment of the gang's units to nodes fits and leaves `beside_cpus` whole CPUs."""
+    for hosts in itertools.product(range(len(nodes)), repeat=request.count):
+        left = [dict(node) for node in nodes]
+        for host in hosts:
+            for name, value in request.unit.items():
+                left[host][name] = left[host].get(name, 0.0) - value
+        fits = all(v >= -1e-9 for node in left for v in node.values())
+        if fits and sum(int(node["CPU"] + 1e-9) for node in left) >= request.beside_cpus:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gang_refusals_match_a_brute_force_placement(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(150):
+        nodes = [
+            {"CPU": float(rng.integers(0, 5)), "GPU": float(rng.choice([0, 1, 2]))}
+            for _ in range(rng.integers(1, 4))
+        ]
+        unit = {"CPU": float(rng.integers(0, 3)), "GPU": float(rng.choice([0, 0.5, 1]))}
+        unit = unit if any(unit.values()) else {"CPU": 1.0}
+        count, beside = int(rng.integers(1, 4)), int(rng.integers(0, 3))
+        request = Request("unit", "k", unit, count=count, beside_cpus=beside)
+        refused = check_requests([request], nodes).problems != []
+        assert refused == (not _brute_force_fits(request, nodes)), (nodes, request)
+
+
+def test_every_stage_s_one_cpu_tasks_give_one_message():
+    problems = _problems(_job(), [{"CPU": 0.0}])
+    tasks = [p for p in problems if "key-check task" in p]
+    assert len(tasks) == 1 and "label-pass task" in tasks[0] and "publish task" in tasks[0]
+    assert "largest: 0 CPU" in tasks[0] and tasks[0].endswith("raise ray.num_cpus"), tasks
+    remote = _job(ray={"address": "ray://head:10001"})
+    assert all("add CPUs to the cluster's nodes" in p for p in _problems(remote, [{"CPU": 0.0}]))
+
+
+def test_job_requests_come_from_the_stages_the_job_runs():
+    assert set(STAGE_REQUESTS) == set(DEPENDS_ON)  # every stage kind declares what it asks
+
+    def asked(job: JobConfig) -> list[str]:
+        return [request.what for request in job_requests(job, 0.0)]
+
+    assert asked(_job()) == [
+        "embed worker",
+        "key-check task",
+        "training worker",
+        "label-pass task",
+        "publish task",
+    ]
+    assert "training worker" not in asked(_job(train={"warmup_epochs": 0, "rounds": 0}))
+    assert "cosine-filter task" in asked(_job(train={"mode": "cosine_filter", "rounds": 1}))
+    index = _job(index={"gpus_per_actor": 1, "shards": 2})
+    assert "index actor" in asked(index) and "index actor" not in asked(_job())
+
+
+def _literal_resources(source: str) -> list[int]:
+    """Lines of calls that spell Ray resources (num_cpus=, num_gpus=) instead of passing a
+    stage's declared options."""
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and any(kw.arg in ("num_cpus", "num_gpus") for kw in node.keywords)
+    ]
+
+
+def test_stages_pass_ray_only_their_declared_resources():
+    """What a stage passes to Ray comes from the options its `ray_requests` reads, so the
+    preflight and Ray cannot disagree."""
+    assert _literal_resources("ray.remote(f).options(num_cpus=1, max_retries=2)") == [1]
+    assert _literal_resources("ray.remote(f).options(**TASK_OPTIONS)") == []
+    found = {
+        str(path.relative_to(STAGES)): lines
+        for path in sorted(STAGES.rglob("*.py"))
+        if (lines := _literal_resources(path.read_text()))
+    }
+    assert not found, f"Ray resources spelled out instead of declared: {found}"
+
+
+@pytest.mark.ray
+def test_ray_grants_what_the_declared_options_request(local_ray):
+    """Each declaration's request is what Ray grants a task started with it."""
+    from pipeline.config import EmbedConfig, IndexConfig
+    from pipeline.stages import embed, keys, publish
+    from pipeline.stages.baselines import cosine_filter
+    from pipeline.stages.labels import resources as labels
+    from pipeline.stages.train import data, driver
+
+    def granted() -> dict:
+        import ray
+
+        return ray.get_runtime_context().get_assigned_resources()
+
+    declared = [
+        embed.worker_options(EmbedConfig(cpus_per_worker=1), 0.0),
+        keys.TASK_OPTIONS,
+        labels.TASK_OPTIONS,
+        labels.codebook_task_options(IndexConfig()),
+        cosine_filter.TASK_OPTIONS,
+        driver.worker_options(use_gpu=False),
+        data.READER_TASK_OPTIONS,
+        publish.TASK_OPTIONS,
+    ]
+    tasks = [local_ray.remote(granted).options(**options).remote() for options in declared]
+    for options, got in zip(declared, local_ray.get(tasks), strict=True):
+        assert got == resources_of(options), options
+
+
+@pytest.mark.ray
+def test_check_cluster_reads_the_live_nodes(local_ray, caplog):
+    """The real check on the session's local Ray (2 CPUs, no GPU): the requests are asked
+    for with the cluster's GPU count, warnings are logged, problems refuse the job."""
+    asked = []
+
+    def requests_for(gpus: float) -> list[Request]:
+        asked.append(gpus)
+        return [Request("probe", "probe.key", {"CPU": 1.0}, wanted_cpus=64, fix="add CPUs")]
+
+    with caplog.at_level(logging.WARNING, logger="pipeline.runtime.preflight"):
+        check_cluster(_job(), requests_for)
+    assert asked == [0.0] and "fewer than the 64 they would use" in caplog.text
+    too_big = [Request("probe", "probe.key", {"CPU": 3.0}, fix="lower probe.key")]
+    with pytest.raises(
+        JobConfigError, match=r"probe asks for 3 CPU on one node \(probe.key\).*largest: 2 CPU"
+    ):
+        check_cluster(_job(), lambda gpus: too_big)
+    check_cluster(_job(ray={"preflight": False}), lambda gpus: too_big)  # skipped
 
 
 def test_gpu_index_limits_at_config_time():

@@ -32,7 +32,7 @@ import pyarrow as pa
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import EmbedConfig
+from pipeline.config import EmbedConfig, JobConfig
 from pipeline.core.losses.per_sample import batched_losses, fixed_size_loss_batches
 from pipeline.io.admitted import (
     SHARD_BYTES_KEY,
@@ -69,8 +69,17 @@ from pipeline.models.encode import encode_images
 from pipeline.models.pixels import PixelPlan, ShardTexts, chunk_pixels, image_pixels, pixel_plan
 from pipeline.models.weights import weights_version
 from pipeline.runtime.devices import granted_device
+from pipeline.runtime.preflight import Request, more_cpus, resources_of
 
-__all__ = ["EmbedSpec", "EmbedShardStage", "SUMMARY_COLUMNS", "embed_shard", "embed_shards_on_cpu"]
+__all__ = [
+    "EmbedSpec",
+    "EmbedShardStage",
+    "SUMMARY_COLUMNS",
+    "embed_shard",
+    "embed_shards_on_cpu",
+    "ray_requests",
+    "worker_options",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -513,23 +522,34 @@ class _PassTally:
         return level, status
 
 
-def _pool_size(spec: EmbedSpec, pending: int) -> tuple[int, float]:
-    """(actors, GPUs per actor) for `pending` shards on the cluster Ray is connected to."""
+def worker_options(embed: EmbedConfig, cluster_gpus: float) -> dict[str, float]:
+    """Ray options of one embed worker: a GPU actor when the cluster has GPUs and
+    `embed.gpus_per_worker` > 0, else a CPU task."""
+    gpus = embed.gpus_per_worker if cluster_gpus > 0 else 0.0
+    return {"num_cpus": embed.cpus_per_worker, **({"num_gpus": gpus} if gpus > 0 else {})}
+
+
+def ray_requests(job: JobConfig, cluster_gpus: float) -> list[Request]:
+    """What the embed pass asks of Ray: one worker must fit on one node (Ray Data starts as
+    many as resources allow; its input is in memory, so no read task needs a CPU beside)."""
+    options = worker_options(job.embed, cluster_gpus)
+    keys = "embed.cpus_per_worker" + (" or embed.gpus_per_worker" if "num_gpus" in options else "")
+    unit = resources_of(options)
+    return [Request("embed worker", keys, unit, fix=f"lower {keys}, or {more_cpus(job)}")]
+
+
+def _pool_size(spec: EmbedSpec, pending: int) -> tuple[int, dict[str, float]]:
+    """(actors, `worker_options`) for `pending` shards on the cluster Ray is connected to."""
     from pipeline.runtime.ray import cluster_resources
 
-    concurrency = spec.embed.concurrency
-    cpus_per_worker, gpus_per_worker = spec.embed.cpus_per_worker, spec.embed.gpus_per_worker
     cpus, gpus = cluster_resources()
-    use_gpus = gpus_per_worker if gpus > 0 else 0.0
-    if concurrency == "auto":
-        size = (
-            int(gpus // gpus_per_worker)
-            if use_gpus
-            else max(1, int(cpus // max(cpus_per_worker, 2)))
-        )
-    else:
-        size = int(concurrency)
-    return max(1, min(size, pending)), use_gpus
+    options = worker_options(spec.embed, gpus)
+    size = spec.embed.concurrency
+    if size == "auto" and "num_gpus" in options:
+        size = gpus // options["num_gpus"]
+    elif size == "auto":
+        size = max(1, cpus // max(spec.embed.cpus_per_worker, 2))
+    return max(1, min(int(size), pending)), options
 
 
 def _embed_pending(spec: EmbedSpec, pending: list[str], tally: _PassTally, started: float) -> None:
@@ -537,12 +557,12 @@ def _embed_pending(spec: EmbedSpec, pending: list[str], tally: _PassTally, start
     shard."""
     import ray
 
-    size, use_gpus = _pool_size(spec, len(pending))
-    cpus_per_worker = spec.embed.cpus_per_worker
+    size, options = _pool_size(spec, len(pending))
+    use_gpus = "num_gpus" in options
     workers = "actor(s)" if use_gpus else "task(s) at a time"
     logger.info(
         f"embed round {spec.round_index}: {len(pending)} shards on {size} {workers}, "
-        f"{use_gpus or 0:g} GPU and {cpus_per_worker:g} CPU each"
+        f"{options.get('num_gpus', 0):g} GPU and {options['num_cpus']:g} CPU each"
     )
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the pass shows its own progress (pipeline.runtime.progress)
@@ -552,7 +572,6 @@ def _embed_pending(spec: EmbedSpec, pending: list[str], tally: _PassTally, start
             fn=EmbedShardStage,
             fn_constructor_kwargs={"spec": spec},
             compute=ray.data.ActorPoolStrategy(size=size),
-            num_gpus=use_gpus,
         )
     else:
         how = dict(
@@ -560,7 +579,7 @@ def _embed_pending(spec: EmbedSpec, pending: list[str], tally: _PassTally, start
             fn_kwargs={"spec": spec},
             compute=ray.data.TaskPoolStrategy(size=size),
         )
-    summaries = dataset.map_batches(**how, batch_size=1, num_cpus=cpus_per_worker)
+    summaries = dataset.map_batches(**how, batch_size=1, **options)
     from pipeline.runtime.progress import Progress
 
     what = f"embed round {spec.round_index}"

@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline.config import JobConfig
 from pipeline.io.layout import RUN_STATE_FIELD, RunLayout
 from pipeline.io.tables import (
     QUARANTINE_SCHEMA,
@@ -36,12 +37,19 @@ from pipeline.io.tables import (
     write_json_atomic,
     write_table_atomic,
 )
+from pipeline.runtime.preflight import Request, more_cpus, resources_of
 
-__all__ = ["KEYS_PER_PARTITION", "partitions_for", "run_key_check"]
+__all__ = ["KEYS_PER_PARTITION", "TASK_OPTIONS", "partitions_for", "ray_requests", "run_key_check"]
 
 logger = logging.getLogger(__name__)
 
 KEYS_PER_PARTITION = 1_000_000  # keys one reduce task groups (~100 MB of Arrow strings)
+TASK_OPTIONS = {"num_cpus": 1, "max_retries": 3}  # map, reduce and apply tasks: idempotent
+
+
+def ray_requests(job: JobConfig, cluster_gpus: float) -> list[Request]:
+    """What the key check asks of Ray: 1-CPU tasks."""
+    return [Request("key-check task", "", resources_of(TASK_OPTIONS), fix=more_cpus(job))]
 
 
 def partitions_for(total_keys: int, shards: int) -> int:
@@ -238,9 +246,9 @@ def _key_check(layout: RunLayout, names: list[str], scopes: list[int] | None) ->
     footers = [read_embeddings_footer(p) for p in paths]
     total = sum(footer.rows for footer in footers if footer is not None)
     parts = partitions_for(total, len(names))
-    split = ray.remote(num_cpus=1, max_retries=3)(_split_keys)
-    find = ray.remote(num_cpus=1, max_retries=3)(_find_losers)
-    drop = ray.remote(num_cpus=1, max_retries=3)(_drop_losers)
+    split = ray.remote(**TASK_OPTIONS)(_split_keys)
+    find = ray.remote(**TASK_OPTIONS)(_find_losers)
+    drop = ray.remote(**TASK_OPTIONS)(_drop_losers)
     by, reason = ("key", "duplicate_key") if scopes is None else ("id", "duplicate_pair")
 
     mapped = [

@@ -23,14 +23,16 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from pipeline.config import JobConfig
 from pipeline.core.labels import SCORE_COLUMNS
 from pipeline.io.ground_truth import quality_arrays, quality_from_parts
 from pipeline.io.labels import LABELS_SCHEMA, LABELS_SCHEMA_NAME, SUBSET_VALUES, uid_of
 from pipeline.io.layout import LABEL_PASS_SUMMARY, RUN_STATE_FIELD
 from pipeline.io.tables import read_json, read_table, write_json_atomic, write_table_atomic
+from pipeline.runtime.preflight import Request, more_cpus, resources_of
 from pipeline.runtime.progress import Progress, as_completed
 
-__all__ = ["publish_labels", "LabelViewMismatchError"]
+__all__ = ["TASK_OPTIONS", "LabelViewMismatchError", "publish_labels", "ray_requests"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,12 @@ SUMMARY_NAME = LABEL_PASS_SUMMARY
 # The registry's score columns are averaged too: a new method's column needs no change here.
 AVERAGED = ("soft_label", "clean_prob", "loss", "cosine", *SCORE_COLUMNS)
 ID_COLUMNS = ("uid", "image_sha256")  # labels.v2: filled from the embeddings table
+TASK_OPTIONS = {"num_cpus": 1, "max_retries": 2}  # one task per shard, written atomically
+
+
+def ray_requests(job: JobConfig, cluster_gpus: float) -> list[Request]:
+    """What publishing asks of Ray: 1-CPU tasks."""
+    return [Request("publish task", "", resources_of(TASK_OPTIONS), fix=more_cpus(job))]
 
 
 class LabelViewMismatchError(ValueError):
@@ -216,7 +224,7 @@ def publish_labels(
     fs, root = fsspec.core.url_to_fs(out_dir)
     generation = next_generation(fs, root)
     folder = f"{out_dir}/{generation}"
-    task = ray.remote(combine_shard).options(num_cpus=1, max_retries=2)
+    task = ray.remote(combine_shard).options(**TASK_OPTIONS)
     refs = [task.remote(s, sources, folder, ground_truth, embeddings_dir) for s in shards]
     results: list = [None] * len(refs)
     with Progress("publish labels", len(refs), "shards", log=logger) as progress:

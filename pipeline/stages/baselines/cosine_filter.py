@@ -20,10 +20,12 @@ import logging
 import numpy as np
 import pyarrow as pa
 
+from pipeline.config import JobConfig
 from pipeline.core.partition.select import at_or_below, order_keys, radix_select, select_round
 from pipeline.io.tables import read_table, write_table_atomic
+from pipeline.runtime.preflight import Request, more_cpus, resources_of
 
-__all__ = ["FILTER_SCHEMA", "write_cosine_filter"]
+__all__ = ["FILTER_SCHEMA", "TASK_OPTIONS", "ray_requests", "write_cosine_filter"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,12 @@ FILTER_SCHEMA = pa.schema(
     ],
     metadata={"ncl.schema": "filter_labels.v0"},
 )
-_OPTIONS = {"num_cpus": 1, "max_retries": 3}
+TASK_OPTIONS = {"num_cpus": 1, "max_retries": 3}  # read-only tasks, and atomic writes
+
+
+def ray_requests(job: JobConfig, cluster_gpus: float) -> list[Request]:
+    """What the filter asks of Ray: 1-CPU tasks."""
+    return [Request("cosine-filter task", "", resources_of(TASK_OPTIONS), fix=more_cpus(job))]
 
 
 def _scores(
@@ -95,11 +102,11 @@ def write_cosine_filter(
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"the filter keeps a fraction in (0, 1] of the pairs, got {fraction}")
     shards, paths = list(embeddings), list(embeddings.values())
-    rows = ray.get([ray.remote(_rows_task).options(**_OPTIONS).remote(p) for p in paths])
+    rows = ray.get([ray.remote(_rows_task).options(**TASK_OPTIONS).remote(p) for p in paths])
     offsets = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64).tolist()
     total = int(sum(rows))
     k = min(total, max(1, round(fraction * total))) if total else 0
-    select = ray.remote(_select_task).options(**_OPTIONS)
+    select = ray.remote(_select_task).options(**TASK_OPTIONS)
 
     def run_round(prefix, fetch):
         return ray.get(
@@ -113,7 +120,7 @@ def write_cosine_filter(
     if k:
         key, sample, _ = radix_select(run_round, k, total, with_id=True, fetch_limit=fetch_limit)
         cut = (key, sample)
-    write = ray.remote(_write_task).options(**_OPTIONS)
+    write = ray.remote(_write_task).options(**TASK_OPTIONS)
     kept = ray.get(
         [
             write.remote(p, o, columns, cut, f"{out_dir}/{s}.parquet")

@@ -48,6 +48,9 @@ UID_DTYPE = np.dtype("u8,u8")  # DataComp's subset-file dtype: (high, low) halve
 PLAN_NAME = "_export_plan.json"
 SUMMARY_NAME = "_export.json"
 PARTS = "_parts"
+# Part and join tasks: one CPU each, retried (their writes are atomic). `ncl-pipeline export`
+# runs on a finished run without the job's preflight, so they declare no requests.
+TASK_OPTIONS = {"num_cpus": 1, "max_retries": 2}
 KEYS_SCHEMA = pa.schema(
     [
         pa.field("key", pa.string(), nullable=False),
@@ -326,7 +329,7 @@ def _export_wds(
     from pipeline.stages.export.tasks import assemble_output_shard, write_shard_part
 
     init_ray(address, num_cpus)
-    part_task = ray.remote(write_shard_part).options(num_cpus=1, max_retries=2)
+    part_task = ray.remote(write_shard_part).options(**TASK_OPTIONS)
     shards = sorted(files)
     refs = [
         part_task.remote(s, tars[s], files[s], spec.out, spec.min_label, tuple(spec.subsets))
@@ -339,7 +342,7 @@ def _export_wds(
             progress.advance()
     plan = output_ranges([(p["shard"], p["offsets"]) for p in parts], spec.samples_per_shard)
     names = shard_names(len(plan))
-    join_task = ray.remote(assemble_output_shard).options(num_cpus=1, max_retries=2)
+    join_task = ray.remote(assemble_output_shard).options(**TASK_OPTIONS)
     refs = [
         join_task.remote(name, ranges, n, spec.out)
         for name, (n, ranges) in zip(names, plan, strict=True)

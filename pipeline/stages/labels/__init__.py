@@ -5,6 +5,7 @@
 - `index_actors.py`: the FAISS index held by Ray actors and persisted.
 - `label_task.py`: labelling one shard and writing its tables.
 - `driver.py`: `run_label_pass`, the order of the steps.
+- `resources.py`: the Ray options of its tasks and actors, and the preflight's requests.
 """
 
 from pipeline.stages.labels.driver import SUMMARY_NAME, run_label_pass

@@ -44,6 +44,7 @@ from pipeline.stages.labels.index_actors import (
     save_indexes,
 )
 from pipeline.stages.labels.label_task import label_task
+from pipeline.stages.labels.resources import TASK_OPTIONS
 from pipeline.stages.labels.spec import LabelSpec
 
 __all__ = ["SUMMARY_NAME", "run_label_pass"]
@@ -51,7 +52,6 @@ __all__ = ["SUMMARY_NAME", "run_label_pass"]
 logger = logging.getLogger(__name__)
 
 SUMMARY_NAME = LABEL_PASS_SUMMARY
-TASK_OPTIONS = {"num_cpus": 1, "max_retries": 3}  # shard tasks: atomic, idempotent writes
 
 
 def _remote(fn, **options):

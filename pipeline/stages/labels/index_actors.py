@@ -37,10 +37,10 @@ from pipeline.io.tables import (
     remove_path,
     write_json_atomic,
 )
+from pipeline.stages.labels.resources import codebook_task_options, index_actor_options
 from pipeline.stages.labels.spec import LabelSpec
 
 __all__ = [
-    "INDEX_ACTOR_RESTARTS",
     "IndexStoreActor",
     "actor_neighbours",
     "build_index_actors",
@@ -52,10 +52,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-# Restarts of one index actor within a pass (each a lost node or process); beyond that the pass
-# fails and names the actor.
-INDEX_ACTOR_RESTARTS = 3
 
 
 def _store_table(store: IndexStore) -> pa.Table:
@@ -210,10 +206,8 @@ def train_task(
 
 
 def train_options(spec: LabelSpec) -> dict:
-    """Ray options of `train_task`: a GPU index trains on the GPUs an index actor gets (free
-    then: the actors start after training), a CPU one on one CPU."""
-    gpus = spec.index.gpus_per_actor
-    return {"num_cpus": 1, "max_retries": 3, **({"num_gpus": gpus} if gpus > 0 else {})}
+    """Ray options of `train_task` (declared in `pipeline.stages.labels.resources`)."""
+    return codebook_task_options(spec.index)
 
 
 def _restore_dir(spec: LabelSpec) -> str:
@@ -246,22 +240,7 @@ def build_index_actors(spec: LabelSpec, row_refs: list, dim: int) -> tuple[list,
         # Refs: the codebooks go task -> actors without passing through the driver.
         task = ray.remote(train_task).options(**train_options(spec))
         trained = [task.remote(*index, modality, *parts[0]) for modality in MODALITIES]
-    # Resources only for a GPU index: once any resource is given Ray holds the actor's CPU for
-    # its whole life instead of only to place it, and `index.shards` CPU actors on a 2-CPU node
-    # would leave no CPU for the label tasks that query them (a silent hang). Without options
-    # a CPU actor is placed on a node with a CPU (never a 0-CPU head) and holds none.
-    gpus = spec.index.gpus_per_actor
-    resources = {"num_gpus": gpus, "num_cpus": 1} if gpus > 0 else {}
-    # A threaded actor: FAISS releases the GIL, so an actor with a CPU-less placement still
-    # searches for several label tasks at once (each waits for it, holding its CPU), where a
-    # one-thread actor kept one core busy for the whole pass. FAISS GPU indexes are not
-    # thread-safe: a GPU actor serves one search at a time.
-    actor_class = ray.remote(IndexStoreActor).options(
-        max_restarts=INDEX_ACTOR_RESTARTS,
-        max_task_retries=INDEX_ACTOR_RESTARTS,
-        max_concurrency=1 if gpus > 0 else spec.index.search_threads,
-        **resources,
-    )
+    actor_class = ray.remote(IndexStoreActor).options(**index_actor_options(spec.index))
     restore = f"{_restore_dir(spec)}/{uuid.uuid4().hex[:12]}"  # this pass's tables only
     actors = [
         actor_class.remote(*index, f"{restore}/store_{i:03d}.parquet") for i in range(n_actors)

@@ -47,10 +47,12 @@ from pipeline.models.encode import PixelSpec, normalize_pixels, pil_pixels, pixe
 from pipeline.stages.train.spec import TrainSpec, ViewSpec
 
 __all__ = [
+    "READER_TASK_OPTIONS",
     "epoch_batches",
     "epoch_phase",
     "epoch_shard_order",
     "read_training_batches",
+    "reader_tasks_per_view",
     "source_id",
     "text_proxy_pairs",
     "steps_per_epoch",
@@ -62,8 +64,15 @@ TARGET_STATS = ("pairs", "weight", "reliable", "proxy")  # per-epoch sums, in th
 # ViT-B-32 on a few thousand, so a GPU node needs about this many free CPUs per GPU besides
 # the training worker's own.
 READER_CPUS_PER_GPU = 8
+READER_TASK_OPTIONS = {"num_cpus": 1}  # one reader task: a shard's chunks, decoded in turn
 
 logger = logging.getLogger(__name__)
+
+
+def reader_tasks_per_view(views: int) -> int:
+    """Reader tasks one view of a GPU training worker runs at once (at least one)."""
+    return max(1, READER_CPUS_PER_GPU // views)
+
 
 # ------------------------------------------------------------------------------------------
 # Data: deterministic per-epoch order, label join by key at read time
@@ -426,10 +435,10 @@ def epoch_batches(spec: TrainSpec, view: ViewSpec, epoch: int, rank: int, world:
     dataset = dataset.map_batches(
         read_training_batches,
         batch_size=1,
-        num_cpus=1,
+        **READER_TASK_OPTIONS,
         # On CPU the trainer shares the node's cores with its readers: Ray Data's default.
         compute=(
-            ray.data.TaskPoolStrategy(size=max(1, READER_CPUS_PER_GPU // len(spec.views)))
+            ray.data.TaskPoolStrategy(size=reader_tasks_per_view(len(spec.views)))
             if spec.use_gpu
             else None
         ),

@@ -18,16 +18,51 @@ import pickle
 import signal
 import threading
 
+from pipeline.config import JobConfig
 from pipeline.errors import root_cause
 from pipeline.io.layout import RunLayout
 from pipeline.io.tables import read_json, remove_path
-from pipeline.stages.train.data import steps_per_epoch
+from pipeline.runtime.preflight import Request, more_cpus, resources_of
+from pipeline.stages.train.data import (
+    READER_TASK_OPTIONS,
+    reader_tasks_per_view,
+    steps_per_epoch,
+)
 from pipeline.stages.train.loop import NOT_RETRIED, epoch_line, train_loop
-from pipeline.stages.train.spec import TrainSpec
+from pipeline.stages.train.spec import VIEW_NAMES, TrainSpec
 
-__all__ = ["run_training", "train_loop_config"]
+__all__ = ["ray_requests", "run_training", "train_loop_config", "worker_options"]
 
 logger = logging.getLogger(__name__)
+
+
+def worker_options(use_gpu: bool) -> dict[str, float]:
+    """Ray options of one training worker, a Ray task or a Ray Train worker alike: a CPU for
+    its loop, and a GPU on a GPU cluster."""
+    return {"num_cpus": 1, **({"num_gpus": 1} if use_gpu else {})}
+
+
+def ray_requests(job: JobConfig, cluster_gpus: float) -> list[Request]:
+    """What training asks of Ray: `train.workers` workers at once, and beside them their
+    readers. Each worker needs one reader CPU of its own, or it can wait forever: a reader
+    waiting for a CPU held by another worker's reader, blocked on its worker stuck in a DDP
+    all-reduce, never finishes. On GPUs each worker would use `READER_CPUS_PER_GPU` of them;
+    fewer only slow it down. On CPU the readers share the node's cores with the trainer."""
+    use_gpu, workers = cluster_gpus > 0, job.train.workers
+    reader_cpus = resources_of(READER_TASK_OPTIONS)["CPU"]
+    wanted = len(VIEW_NAMES) * reader_tasks_per_view(len(VIEW_NAMES)) if use_gpu else 0
+    return [
+        Request(
+            "training worker",
+            "train.workers",
+            resources_of(worker_options(use_gpu)),
+            count=workers,
+            beside_cpus=int(workers * reader_cpus),
+            wanted_cpus=int(workers * wanted * reader_cpus),
+            beside="the Ray Data tasks reading their data",
+            fix=f"lower train.workers (to {max(1, workers // 2)}?) or {more_cpus(job)}",
+        )
+    ]
 
 
 def train_loop_config(spec: TrainSpec, board, ray_train: bool) -> dict:
@@ -180,10 +215,8 @@ def train_worker(config: dict) -> None:
 def _run_one_worker(spec: TrainSpec, board) -> None:
     import ray
 
-    # The resources of Ray Train's default worker: one CPU, and one GPU on GPUs.
     task = ray.remote(train_worker).options(
-        num_cpus=1,
-        num_gpus=1 if spec.use_gpu else 0,
+        **worker_options(spec.use_gpu),
         max_retries=spec.train.max_failures,
         retry_exceptions=True,
     )
@@ -202,7 +235,11 @@ def _run_on_ray_train(spec: TrainSpec, board) -> None:
         train_loop,
         train_loop_config=train_loop_config(spec, board, ray_train=True),
         torch_config=LoopbackTorchConfig(),
-        scaling_config=ScalingConfig(num_workers=spec.train.workers, use_gpu=spec.use_gpu),
+        scaling_config=ScalingConfig(
+            num_workers=spec.train.workers,
+            use_gpu=spec.use_gpu,
+            resources_per_worker=resources_of(worker_options(spec.use_gpu)),
+        ),
         # A failed worker group (a node lost, a worker killed) is restarted by Ray Train and
         # train_loop resumes from resume.pt: the same weights as an undisturbed run.
         run_config=RunConfig(

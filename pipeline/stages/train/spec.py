@@ -8,7 +8,9 @@ from pipeline.config import TrainConfig
 from pipeline.io.shards import DecodeOptions
 from pipeline.models import ModelSpec
 
-__all__ = ["TrainSpec", "ViewSpec"]
+__all__ = ["VIEW_NAMES", "TrainSpec", "ViewSpec"]
+
+VIEW_NAMES = ("A", "B")  # the two co-taught models a pipeline run trains side by side
 
 
 @dataclass(frozen=True)
