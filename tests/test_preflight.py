@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.config import JobConfig, JobConfigError
 from pipeline.core.search.faiss_gpu import gpu_index_problems
-from pipeline.run.resources import STAGE_REQUESTS, job_requests
+from pipeline.run.kinds import KINDS, job_requests
 from pipeline.run.state import DEPENDS_ON
 from pipeline.runtime.preflight import Request, check_cluster, check_requests, resources_of
 
@@ -143,7 +143,7 @@ def test_every_stage_s_one_cpu_tasks_give_one_message():
 
 
 def test_job_requests_come_from_the_stages_the_job_runs():
-    assert set(STAGE_REQUESTS) == set(DEPENDS_ON)  # every stage kind declares what it asks
+    assert set(KINDS) == set(DEPENDS_ON)  # every stage kind declares what it asks
 
     def asked(job: JobConfig) -> list[str]:
         return [request.what for request in job_requests(job, 0.0)]

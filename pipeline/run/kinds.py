@@ -2,10 +2,11 @@
 builds from the job), what it clears before running again under another key, which outputs a
 reused stage must still have, and what it records afterwards.
 
-`KINDS[stage.kind]` is looked up by the runner's loop (`pipeline.run.runner`) and, for
-`outputs_present`, by the plan function both the runner and `ncl-pipeline status` use
-(`pipeline.run.graph.plan_stage`). A kind's `execute` is the generic reuse-or-compute step;
-the embed pass decides per shard and overrides it.
+`KINDS[stage.kind]` is looked up by the runner's loop (`pipeline.run.runner`), for
+`outputs_present` by the plan function both the runner and `ncl-pipeline status` use
+(`pipeline.run.graph.plan_stage`), and for `requests` (each stage module's own declaration of
+what it asks of Ray) by the preflight (`job_requests`). A kind's `execute` is the generic
+reuse-or-compute step; the embed pass decides per shard and overrides it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pipeline.io.layout import BASELINE_SUMMARY, LABEL_PASS_SUMMARY, RUN_STATE_F
 from pipeline.io.shards import split_source
 from pipeline.io.tables import remove_path, write_json_atomic
 from pipeline.run.context import RunContext
-from pipeline.run.graph import Planned, Stage
+from pipeline.run.graph import Planned, Stage, stage_graph
 from pipeline.run.specs import (
     baseline_labels,
     coteach_spec,
@@ -36,8 +37,9 @@ from pipeline.run.summary import (
     log_round,
     log_warmup,
 )
+from pipeline.runtime.preflight import Request
 
-__all__ = ["KINDS", "StageKind", "outputs_present"]
+__all__ = ["KINDS", "StageKind", "job_requests", "outputs_present"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,10 @@ class StageKind:
 
     def outputs_present(self, layout: RunLayout, stage: Stage, shards: Collection[str]) -> bool:
         return True
+
+    def requests(self, job, cluster_gpus: float) -> list[Request]:
+        """What it asks of Ray (the stage module's own declaration), for the preflight."""
+        return []
 
     def run(self, ctx: RunContext, stage: Stage, stamp: dict) -> dict:
         raise NotImplementedError
@@ -97,6 +103,11 @@ def _folder_has(folder: str, summary: str, shards: Collection[str]) -> bool:
 
 
 class Embed(StageKind):
+    def requests(self, job, cluster_gpus: float) -> list[Request]:
+        from pipeline.stages.embed import ray_requests
+
+        return ray_requests(job, cluster_gpus)
+
     def describe(self, stage: Stage) -> str:
         r = stage.round_index
         return "the embed pass (round 0)" if r == 0 else f"the embed pass of round {r}"
@@ -183,6 +194,11 @@ def _admit(ctx: RunContext, embed: dict) -> None:
 
 
 class Keys(StageKind):
+    def requests(self, job, cluster_gpus: float) -> list[Request]:
+        from pipeline.stages.keys import ray_requests
+
+        return ray_requests(job, cluster_gpus)
+
     def describe(self, stage: Stage) -> str:
         return "the corpus-wide key check"
 
@@ -199,6 +215,11 @@ class Keys(StageKind):
 
 class Training(StageKind):
     """The warm-up (round 0) and each co-teaching round: both views' new checkpoints."""
+
+    def requests(self, job, cluster_gpus: float) -> list[Request]:
+        from pipeline.stages.train.driver import ray_requests
+
+        return ray_requests(job, cluster_gpus)
 
     def describe(self, stage: Stage) -> str:
         if stage.kind == "warmup":
@@ -247,6 +268,11 @@ class Training(StageKind):
 
 class Labels(StageKind):
     """One view's label pass of a round; its peer trains on its labels."""
+
+    def requests(self, job, cluster_gpus: float) -> list[Request]:
+        from pipeline.stages.labels.resources import ray_requests
+
+        return ray_requests(job, cluster_gpus)
 
     def describe(self, stage: Stage) -> str:
         return f"the label passes of round {stage.round_index}"
@@ -310,7 +336,19 @@ class Baseline(StageKind):
         return summary
 
 
+class Filter(Baseline):
+    def requests(self, job, cluster_gpus: float) -> list[Request]:
+        from pipeline.stages.baselines.cosine_filter import ray_requests
+
+        return ray_requests(job, cluster_gpus)
+
+
 class Publish(StageKind):
+    def requests(self, job, cluster_gpus: float) -> list[Request]:
+        from pipeline.stages.publish import ray_requests
+
+        return ray_requests(job, cluster_gpus)
+
     def describe(self, stage: Stage) -> str:
         return "publishing the labels"
 
@@ -353,13 +391,22 @@ class Publish(StageKind):
         )
 
 
+_TRAINING = Training()  # one kind for the warm-up and the rounds: asks Ray once
 KINDS: dict[str, StageKind] = {
     "embed": Embed(),
     "keys": Keys(),
-    "warmup": Training(),
+    "warmup": _TRAINING,
     "labels": Labels(),
-    "oracle": Baseline(),
-    "filter": Baseline(),
-    "train": Training(),
+    "oracle": Baseline(),  # written by the driver, without Ray
+    "filter": Filter(),
+    "train": _TRAINING,
     "publish": Publish(),
 }
+
+
+def job_requests(job, cluster_gpus: float) -> list[Request]:
+    """Every request of the stages `job` runs, on a cluster with `cluster_gpus` GPUs in all
+    (each kind's once, however many rounds run it): what the preflight places
+    (`pipeline.runtime.preflight.check_cluster`; docs/architecture.md §4.7)."""
+    kinds = dict.fromkeys(KINDS[stage.kind] for stage in stage_graph(job))
+    return [request for kind in kinds for request in kind.requests(job, cluster_gpus)]

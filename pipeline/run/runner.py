@@ -9,6 +9,7 @@ bad job fails in seconds with a message instead of a traceback.
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 from pipeline.config import JobConfig, JobConfigError
 from pipeline.errors import RunFailedError, RunInterrupted, ShardFailuresError
@@ -20,7 +21,7 @@ from pipeline.run.context import RunContext
 from pipeline.run.failures import explain_failure
 from pipeline.run.graph import Stage, plan_stage, stage_graph
 from pipeline.run.interrupts import Interrupts, catch_interrupts
-from pipeline.run.kinds import KINDS, outputs_present
+from pipeline.run.kinds import KINDS, job_requests, outputs_present
 from pipeline.run.lease import acquire_lease
 from pipeline.run.manifest import RunConflictError, check_resume
 from pipeline.run.specs import embeddings_source, model_specs, with_absolute_paths
@@ -96,7 +97,7 @@ def _run_held(job, layout: RunLayout, shard_paths, manifest, interrupts: Interru
     try:
         where = init_ray(job.ray.address, job.ray.num_cpus, job.ray.object_store_memory)
         interrupts.install(ray_started=True)  # ray.init (and Ray Train) install their own
-        check_cluster(job)  # refuses in seconds what no node could host
+        check_cluster(job, partial(job_requests, job))  # refuses what no node could host
         check_output_space(job, layout, shard_paths, manifest.get("stages") or {})
         logger.info(
             f"ncl-pipeline: job '{job.name}', {len(shard_paths)} shards, {where}, "

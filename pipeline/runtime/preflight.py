@@ -4,7 +4,7 @@
 Contract:
 - Each stage module declares its Ray options once and derives its `ray_requests(job,
   cluster_gpus) -> list[Request]` from them (`resources_of`); the run layer collects those of
-  the stages a job runs (`pipeline.run.resources.job_requests`). Nothing here restates them.
+  the stages a job runs (`pipeline.run.kinds.job_requests`). Nothing here restates them.
 - `check_requests` is the pure part: requests and the nodes' resources in, `Findings` out:
   problems (a request that would wait forever) and warnings (one that runs, but slower than it
   could), each naming the key to change.
@@ -153,16 +153,14 @@ def _live_nodes() -> list[dict[str, float]]:
     ]
 
 
-def check_cluster(job: JobConfig, requests_for: RequestsFor | None = None) -> None:
+def check_cluster(job: JobConfig, requests_for: RequestsFor) -> None:
     """Compare `job`'s requests with the connected Ray cluster's live nodes.
 
     Args:
         job: the job (its name and `ray` section).
         requests_for: the job's requests on a cluster with that many GPUs in all (the stages
             use GPUs only when the cluster has some), e.g.
-            `functools.partial(pipeline.run.resources.job_requests, job)`. None: that
-            collector, looked up by name (deprecated: runtime must not import run; the
-            runner passes it).
+            `functools.partial(pipeline.run.kinds.job_requests, job)`.
 
     Raises:
         JobConfigError: a request no node (or not the whole cluster) can host; the message
@@ -171,12 +169,6 @@ def check_cluster(job: JobConfig, requests_for: RequestsFor | None = None) -> No
     """
     if not job.ray.preflight:
         return
-    if requests_for is None:
-        import functools
-        import importlib
-
-        collector = importlib.import_module("pipeline.run.resources").job_requests
-        requests_for = functools.partial(collector, job)
     nodes = _live_nodes()
     findings = check_requests(requests_for(sum(node.get("GPU", 0.0) for node in nodes)), nodes)
     for warning in findings.warnings:
