@@ -17,7 +17,7 @@ from cli_job import run_cli, start_cli, wait_for_line, write_corpus, write_job
 
 from pipeline.clients.read import labels_folder
 from pipeline.errors import RunInterrupted
-from pipeline.run.interrupts import Interrupts, catch_interrupts
+from pipeline.run.interrupts import Interrupts
 
 
 def cli_run(test):
@@ -52,21 +52,6 @@ def test_a_second_signal_exits_at_once(monkeypatch):
     assert first.value.exit_code == 130 and interrupts.signum == signal.SIGINT
     with pytest.raises(SystemExit, match=r"os\._exit\(143\)"):
         interrupts._handle(signal.SIGTERM, None)
-
-
-def test_ray_trains_own_sigint_handler_stays_off_while_a_run_holds_them():
-    """Ray Train's `fit()` replaced the SIGINT handler (its handler exits with status 1)."""
-    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
-
-    original = DataParallelTrainer._register_sigint_handler
-    before = signal.getsignal(signal.SIGINT)  # SIG_IGN when pytest runs as a background job
-    with catch_interrupts() as interrupts:
-        interrupts.install(ray_started=True)
-        ours = signal.getsignal(signal.SIGINT)
-        DataParallelTrainer._register_sigint_handler(None, None)
-        assert signal.getsignal(signal.SIGINT) == ours
-    assert DataParallelTrainer._register_sigint_handler is original
-    assert signal.getsignal(signal.SIGINT) is before
 
 
 @cli_run

@@ -16,6 +16,7 @@ import dataclasses
 import ipaddress
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -84,9 +85,10 @@ def _listening(found: dict) -> None:
             pass
 
 
-def _watch_sockets(found: dict, stop: threading.Event) -> None:
+def _watch_sockets(found: dict, stop: threading.Event, handlers: set) -> None:
     while not stop.wait(0.1):
         _listening(found)
+        handlers.add(_handler_name())
 
 
 def _scenario(corpus: Path, output: Path, sockets: Path) -> None:
@@ -95,18 +97,31 @@ def _scenario(corpus: Path, output: Path, sockets: Path) -> None:
     from pipeline.runtime.ray import init_ray
 
     init_ray(None, num_cpus=4)
+    signal.signal(signal.SIGINT, _ours)
+    handlers: set = set()
     before: dict = {}
     _listening(before)
     during: dict = {}
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch_sockets, args=(during, stop), daemon=True)
+    watcher = threading.Thread(target=_watch_sockets, args=(during, stop, handlers), daemon=True)
     watcher.start()
     try:
         _train(corpus, output)
     finally:
         stop.set()
         watcher.join()
-        sockets.write_text(json.dumps({"before": before, "during": during}))
+        handlers.add(_handler_name())
+        record = {"before": before, "during": during, "sigint": sorted(handlers)}
+        sockets.write_text(json.dumps(record))
+
+
+def _handler_name() -> str:
+    handler = signal.getsignal(signal.SIGINT)
+    return getattr(handler, "__qualname__", repr(handler))
+
+
+def _ours(signum, frame) -> None:
+    """The process's SIGINT handler while it trains: Ray Train must never replace it."""
 
 
 def _train(corpus: Path, output: Path) -> None:
@@ -198,6 +213,8 @@ def test_two_workers_share_every_decision_and_end_by_themselves(corpus, tmp_path
         s: who for s, who in seen["before"].items() if not _is_loopback(s.split(" ")[0])
     }
     assert not exposed, f"listening beyond loopback: {exposed}"
+    # Ray Train's fit never replaced the process's SIGINT handler (it runs off the main thread).
+    assert seen["sigint"] == ["_ours"], seen["sigint"]
 
 
 def _is_loopback(ip: str) -> bool:

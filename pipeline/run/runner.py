@@ -96,7 +96,7 @@ def _run_held(job, layout: RunLayout, shard_paths, manifest, interrupts: Interru
     run = None
     try:
         where = init_ray(job.ray.address, job.ray.num_cpus, job.ray.object_store_memory)
-        interrupts.install(ray_started=True)  # ray.init (and Ray Train) install their own
+        interrupts.install()  # ray.init installs handlers of its own
         check_cluster(job, partial(job_requests, job))  # refuses what no node could host
         check_output_space(job, layout, shard_paths, manifest.get("stages") or {})
         logger.info(

@@ -12,10 +12,8 @@ summary, and reports progress to the same board.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import pickle
-import signal
 import threading
 
 from pipeline.config import JobConfig
@@ -133,23 +131,28 @@ def _recorded_error(record: dict) -> Exception:
     )
 
 
-@contextlib.contextmanager
-def _own_sigint_handler_kept():
-    """Put back the SIGINT handler `TorchTrainer.fit` replaces with one of its own.
+def _fit_off_the_main_thread(trainer) -> None:
+    """`trainer.fit()` in a thread of its own, the main thread waiting on it interruptibly.
 
-    Ray Train's handler aborts *its* controller on Ctrl-C and is never removed: after a
-    training round, Ctrl-C during the next embed or label pass only logged "Gracefully aborting
-    the training run", and the handler's reference kept the finished round's controller actor
-    alive (1.2 GB, polling its dead workers) until the next round.
+    Ray Train registers a SIGINT handler of its own only when `fit` runs in the main thread (it
+    does not when Tune drives it from another): that handler aborts its controller and exits
+    with status 1, and is never removed. Off the main thread the run's own handlers
+    (`pipeline.run.interrupts`) keep Ctrl-C and SIGTERM, and `ray.shutdown` stops the fit.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield  # fit registers no handler off the main thread either
-        return
-    previous = signal.getsignal(signal.SIGINT)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    outcome: dict = {}
+
+    def fit() -> None:
+        try:
+            trainer.fit()
+        except BaseException as exc:  # raised again in the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)  # a signal's handler runs in the main thread between these waits
+    if "error" in outcome:
+        raise outcome["error"]
 
 
 def run_training(spec: TrainSpec) -> dict:
@@ -249,5 +252,4 @@ def _run_on_ray_train(spec: TrainSpec, board) -> None:
             failure_config=FailureConfig(max_failures=spec.train.max_failures),
         ),
     )
-    with _own_sigint_handler_kept():
-        trainer.fit()
+    _fit_off_the_main_thread(trainer)
