@@ -23,10 +23,9 @@ import pyarrow.dataset as ds
 from pipeline.errors import UserError
 from pipeline.io.generations import current_generation
 from pipeline.io.labels import (
-    LABELLING_VIEW_KEY,
     LABELS_SCHEMA,
     READABLE_SCHEMA_NAMES,
-    labelling_view,
+    read_label_footer,
 )
 from pipeline.io.paths import arrow_filesystem, as_url, filesystem, parquet_files
 
@@ -121,14 +120,10 @@ def read_labels(path: str | os.PathLike, *, view: str | None = None) -> ds.Datas
         LabelTableError: no label tables, or a file whose `ncl.schema` is not one of
             `READABLE_SCHEMA_NAMES`.
     """
-    import pyarrow.parquet as pq
-
     fs, folder = labels_folder(path, view)
     files = parquet_files(fs, folder)
     for name in files:
-        with fs.open(name, "rb") as handle:
-            metadata = pq.read_schema(handle).metadata or {}
-        found = metadata.get(b"ncl.schema", b"").decode()
+        found = read_label_footer(fs, name).schema_name
         if found not in READABLE_SCHEMA_NAMES:
             raise LabelTableError(
                 f"{name} is not a {' or '.join(READABLE_SCHEMA_NAMES)} label table "
@@ -142,12 +137,4 @@ def read_labels(path: str | os.PathLike, *, view: str | None = None) -> ds.Datas
 def label_table_metadata(dataset: ds.Dataset) -> dict[str, str]:
     """The `ncl.*` metadata of the first file of a `read_labels` dataset, with the labelling
     view under `LABELLING_VIEW_KEY` also when an older version wrote it (`ncl.trainee_view`)."""
-    import pyarrow.parquet as pq
-
-    with dataset.filesystem.open_input_file(dataset.files[0]) as handle:
-        raw = pq.read_schema(handle).metadata or {}
-    metadata = {k.decode(): v.decode() for k, v in raw.items() if k.startswith(b"ncl.")}
-    view = labelling_view(metadata)
-    if view is not None:
-        metadata[LABELLING_VIEW_KEY] = view
-    return metadata
+    return read_label_footer(dataset.filesystem, dataset.files[0]).metadata

@@ -22,6 +22,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -41,10 +42,12 @@ __all__ = [
     "SPS_PROXIES_SCHEMA_NAME",
     "SUBSET_VALUES",
     "LABELLING_VIEW_KEY",
+    "LabelFooter",
     "labelling_view",
     "labels_file_metadata",
     "labels_json_schema",
     "open_label_table",
+    "read_label_footer",
     "uid_of",
 ]
 
@@ -159,6 +162,40 @@ def labelling_view(metadata: Mapping[str, str]) -> str | None:
     """The labelling view a label file's `ncl.*` metadata records, under the current key or the
     one labels.v1-v3 used; None when neither is there (e.g. published a+b tables of old runs)."""
     return metadata.get(LABELLING_VIEW_KEY, metadata.get(_OLD_LABELLING_VIEW_KEY))
+
+
+@dataclass(frozen=True)
+class LabelFooter:
+    """What a label table's Parquet footer says, read without its rows: the row count and the
+    file's `ncl.*` metadata (decoded), with the labelling view under `LABELLING_VIEW_KEY` also
+    when an older version wrote it."""
+
+    rows: int
+    metadata: dict[str, str]
+
+    @property
+    def schema_name(self) -> str | None:
+        return self.metadata.get("ncl.schema")
+
+    @property
+    def shard_path(self) -> str | None:
+        """The source tar the table labels (None when not recorded)."""
+        return self.metadata.get("ncl.shard_path") or None
+
+
+def read_label_footer(fs, path: str) -> LabelFooter:
+    """The footer of the label table `path` on `fs` (an fsspec or a pyarrow filesystem)."""
+    import pyarrow.parquet as pq
+
+    opener = getattr(fs, "open_input_file", None)
+    with opener(path) if opener is not None else fs.open(path, "rb") as handle:
+        footer = pq.read_metadata(handle)
+    raw = footer.metadata or {}
+    metadata = {k.decode(): v.decode() for k, v in raw.items() if k.startswith(b"ncl.")}
+    view = labelling_view(metadata)
+    if view is not None:
+        metadata[LABELLING_VIEW_KEY] = view
+    return LabelFooter(footer.num_rows, metadata)
 
 
 _UID_RE = re.compile(r"^[0-9a-fA-F]{32}$")

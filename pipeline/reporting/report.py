@@ -241,14 +241,12 @@ def _groups(table, keys: np.ndarray, truth_path: str | None):
 
 def _shard_paths(dataset) -> dict[str, str]:
     """Shard name -> source tar path, from each label table's metadata."""
-    import pyarrow.parquet as pq
+    from pipeline.io.labels import read_label_footer
 
     shard_paths = {}
     for path in dataset.files:
-        with dataset.filesystem.open_input_file(path) as handle:
-            file_meta = pq.read_schema(handle).metadata or {}
         shard = os.path.basename(path)[: -len(".parquet")]
-        shard_paths[shard] = file_meta.get(b"ncl.shard_path", b"").decode()
+        shard_paths[shard] = read_label_footer(dataset.filesystem, path).shard_path or ""
     return shard_paths
 
 

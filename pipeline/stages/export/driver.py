@@ -196,18 +196,16 @@ def _label_files(run: str) -> dict[str, str]:
 
 def _file_info(path: str) -> dict[str, Any]:
     """Rows, schema version, job hash and source tar of one label table (footer only)."""
-    import fsspec
-    import pyarrow.parquet as pq
+    from pipeline.io.labels import read_label_footer
+    from pipeline.io.paths import filesystem
 
-    fs, fs_path = fsspec.core.url_to_fs(path)
-    with fs.open(fs_path, "rb") as handle:
-        metadata = pq.read_metadata(handle)
-    meta = {k.decode(): v.decode() for k, v in (metadata.metadata or {}).items()}
+    fs, fs_path = filesystem(path)
+    footer = read_label_footer(fs, fs_path)
     return {
-        "rows": metadata.num_rows,
-        "schema": meta.get("ncl.schema"),
-        "job_hash": meta.get("ncl.job_hash"),
-        "shard_path": meta.get("ncl.shard_path") or None,
+        "rows": footer.rows,
+        "schema": footer.schema_name,
+        "job_hash": footer.metadata.get("ncl.job_hash"),
+        "shard_path": footer.shard_path,
     }
 
 
