@@ -134,7 +134,12 @@ def _fits(info: dict) -> dict[str, MixtureFit]:
 def test_ray_pass_equals_the_in_memory_back_end(blob_run, blob_labels, method):
     """The same core functions over the Ray actors and over in-process index stores give the
     same labels bit for bit: one implementation, two back-ends."""
-    spec = blob_labels[method]["spec"]
+    _assert_in_memory_equal(blob_run, blob_labels[method]["spec"])
+
+
+def _assert_in_memory_equal(blob_run: dict, spec: LabelSpec) -> None:
+    """The pass's tables equal `label_in_memory` over the same posteriors and embeddings."""
+    method = spec.labels.method
     table = _table(spec.out_dir)  # keys sort like global ids in this fixture
     u, v = _unit16(blob_run["u"]), _unit16(blob_run["v"])  # the stored fp16, renormalised
     loss = table.column("loss").to_numpy()
@@ -146,7 +151,7 @@ def test_ray_pass_equals_the_in_memory_back_end(blob_run, blob_labels, method):
 
     out = label_in_memory(
         method,
-        getattr(spec.labels, method, None),
+        spec.params,
         u=u,
         v=v,
         loss=loss,
@@ -170,6 +175,22 @@ def test_ray_pass_equals_the_in_memory_back_end(blob_run, blob_labels, method):
         expected = getattr(out.labels, column)
         expected = [None] * len(u) if expected is None else expected.tolist()
         assert table.column(column).to_pylist() == expected
+
+
+@pytest.mark.ray
+def test_centred_bicro_equals_the_in_memory_back_end(blob_run, tmp_path):
+    """labels.bicro.centre: the driver's corpus means (exact per-shard sums) and the centred
+    index over two actors give the in-memory labels bit for bit."""
+    spec = _spec(
+        blob_run,
+        str(tmp_path / "centred"),
+        labels={"method": "bicro", "bicro": {"centre": True, "label": "fused"}},
+        index={"shards": 2},
+        ground_truth=None,
+    )
+    summary = run_label_pass(spec)
+    assert 0 < summary["centring"]["image_mean_norm"] < 1
+    _assert_in_memory_equal(blob_run, spec)
 
 
 def _unit16(x: np.ndarray) -> np.ndarray:

@@ -245,6 +245,24 @@ def test_sps_one_percent_rule_at_eps2():
     assert (masks["sps"] == CLEAN).sum() == (prob > np.float32(0.99)).sum()
 
 
+@pytest.mark.parametrize("fetch_limit", [1, 10**6])
+def test_sps_reliable_fallback_is_the_guard_over_posteriors(fetch_limit):
+    """No posterior above eps1: the floor(rho N) highest posteriors (ties by id) are reliable,
+    across shards, found by the same radix select as the symmetric guard."""
+    rng = np.random.default_rng(5)
+    prob = np.round(rng.uniform(0.3, 0.9, 301), 1).astype(np.float32)  # many ties
+    prob[[3, 150]] = np.nan
+    params = SpsLabelsConfig(reliable_fallback=0.05)
+    partition, masks = _decide("sps", params, prob, fetch_limit=fetch_limit)
+    valid = np.flatnonzero(np.isfinite(prob))
+    top = valid[np.lexsort((valid, -prob[valid]))][: int(0.05 * valid.size)]
+    np.testing.assert_array_equal(np.flatnonzero(masks["sps"] == CLEAN), np.sort(top))
+    flags = partition["sps_split"]
+    assert flags["reliable_fallback"] and flags["n_reliable"] == top.size == 14
+    assert not flags["no_reliable_set"]
+    assert not _decide("sps", SpsLabelsConfig(), prob)[0]["sps_split"]["reliable_fallback"]
+
+
 def test_sps_thresholds_are_validated_at_config_load():
     with pytest.raises(ValueError, match="eps1 > eps2"):
         SpsLabelsConfig(eps1=0.4, eps2=0.6)

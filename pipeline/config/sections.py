@@ -236,6 +236,11 @@ class BicroLabelsConfig(_Section):
     ratio: Literal["similarity", "distance"] = Field(
         "similarity", description="Consistency of cosine similarities (code) or distances (paper)."
     )
+    centre: bool = Field(
+        False,
+        description="Subtract each modality's corpus mean embedding (over the pass's pairs) and "
+        "re-normalise before the anchor search and the fold.",
+    )
     anchors: Literal["global", "in_batch"] = Field(
         "global", description="Anchors from the whole clean set (FAISS) or per batch (reference)."
     )
@@ -273,6 +278,21 @@ class SpsLabelsConfig(_Section):
     beta: float = Field(0.5, ge=0, le=1, description="Proxy labels below beta become 0.")
     batch_size: int = Field(
         128, ge=2, description="Batch of proxy pairs for the match probability P^ (code: 128)."
+    )
+    reliable_fallback: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="When no posterior exceeds eps1: this top fraction by posterior is reliable "
+        "instead (0 = off: no reliable set, no proxies, as the paper).",
+    )
+    proxy: Literal["nearest", "prototype"] = Field(
+        "nearest",
+        description="nearest: the nearest reliable pair, y_p = gamma P^ S (the paper's); "
+        "prototype: the consensus of the proxy_k nearest (IN2R-style).",
+    )
+    proxy_k: int = Field(
+        8, ge=1, le=64, description="prototype proxies: reliable neighbours per noisy pair."
     )
 
     @model_validator(mode="after")

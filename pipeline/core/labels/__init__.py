@@ -45,6 +45,7 @@ LABEL_METHODS: dict[str, LabelMethod] = {
         training_target="bicro",
         quality_scores=bicro.quality_scores,
         weight_cut=bicro.weight_cut,
+        centred=bicro.centred,
         evidence="nearest clean anchor (by image; by text)",
     ),
     "rcr": LabelMethod(

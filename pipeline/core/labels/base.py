@@ -8,7 +8,8 @@ Pure module. A method is a `LabelMethod` entry in `pipeline.core.labels.LABEL_ME
 - `score_columns`: the label-table columns it fills besides soft_label and subset (nullable
   float32, averaged over the two views on publish), each described by `score_descriptions`;
 - `training_target`: how a trainer turns its rows into weights (`pipeline.core.coteach`);
-- `quality_scores(inputs, labels, cosine)`: extra scores evaluated against ground truth.
+- `quality_scores(inputs, labels, cosine)`: extra scores evaluated against ground truth;
+- `centred(params)`: whether its embeddings (queries and index rows) are centred first.
 `params` is the method's settings object (the job's `labels.<method>` section: any object with
 the attributes the method reads), so the core never imports the config.
 """
@@ -103,6 +104,9 @@ class LabelMethod:
     quality_scores: Callable[..., tuple[dict, dict]] = no_quality_scores
     # Labels at or below this train with weight 0 (params -> cut; BiCro's fused label: theta).
     weight_cut: Callable[[Any], float] = lambda params: 0.0
+    # params -> label from embeddings centred on each modality's corpus mean (its index rows
+    # and its shards alike; pipeline.core.labels.centring).
+    centred: Callable[[Any], bool] = lambda params: False
     # One line per score column: its description in the label-table schema (schemas/*.json).
     score_descriptions: tuple[str, ...] = ()
     # The report's evidence column: its heading ("": no column) and where its pairs come from:

@@ -11,6 +11,8 @@ Contract:
   clean_floor + (1 - clean_floor) c, noisy pairs c; BiCro* sets labels <= theta to 0.
   `soft_label` is BiCro*, the `bicro` column the raw label, the anchor-key columns name the
   anchors a* (by image) and b* (by text).
+- With `centre`, the label pass hands in embeddings centred on the corpus mean of each
+  modality (queries and anchors alike; `pipeline.core.labels.centring`).
 - `anchors: in_batch` reproduces the released per-batch anchors within each shard (no index).
 - Outputs are aligned with the input rows: permuting the rows permutes the labels.
 """
@@ -35,6 +37,7 @@ from pipeline.core.search.neighbours import NeighbourSearch, nearest, neighbour_
 __all__ = [
     "bicro_in_batch_anchors",
     "bicro_labels",
+    "centred",
     "consistency_ratios",
     "decide",
     "fold",
@@ -421,6 +424,12 @@ def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch | None, params)
     if params.anchors == "global":
         return _global_anchor_labels(inputs, neighbours, params)
     return _in_batch_labels(inputs, params)
+
+
+def centred(params) -> bool:
+    """`labels.bicro.centre`: fold similarities of embeddings centred on each modality's corpus
+    mean, so a near-collapsed space (every cosine high) does not make every pair consistent."""
+    return bool(params.centre)
 
 
 def weight_cut(params) -> float:

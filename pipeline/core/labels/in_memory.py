@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.labels import ShardInputs, ShardLabels, get_method, label_shard
+from pipeline.core.labels.centring import centre, corpus_means, embedding_sums
 from pipeline.core.partition.decisions import (
     PartitionDecisions,
     ShardMasks,
@@ -111,6 +112,17 @@ def _neighbours(role, masks, u, v, ids, keys, captions, image_hashes, layout):
     return build_local_neighbours([part], dim=u.shape[1], **layout)
 
 
+def _labelling_embeddings(entry, params, u, v) -> tuple[np.ndarray, np.ndarray]:
+    """float32 (u, v), centred on the corpus means when the method centres: exact sums, so the
+    same means as the Ray pass's per-shard sums whatever the sharding."""
+    u = np.ascontiguousarray(u, dtype=np.float32)
+    v = np.ascontiguousarray(v, dtype=np.float32)
+    if not entry.centred(params):
+        return u, v
+    mean_u, mean_v = corpus_means(embedding_sums(u, v))
+    return centre(u, mean_u), centre(v, mean_v)
+
+
 def _scalars(ids, loss, prob, loss_i2t, loss_t2i, alpha_i2t, alpha_t2i) -> ShardScalars:
     """The corpus as one shard's scalars (float32; missing InfoNCE terms are zeros)."""
 
@@ -169,8 +181,7 @@ def label_in_memory(
             label stage's (`index.*` of a job, and the stage's tuning).
     """
     entry = get_method(method)
-    u = np.ascontiguousarray(u, dtype=np.float32)
-    v = np.ascontiguousarray(v, dtype=np.float32)
+    u, v = _labelling_embeddings(entry, params, u, v)
     n = u.shape[0]
     ids = np.arange(n, dtype=np.int64)
     scalars = _scalars(ids, loss, prob, loss_i2t, loss_t2i, alpha_i2t, alpha_t2i)

@@ -9,7 +9,10 @@ Contract:
   probability from its own InfoNCE losses; noisy 0 (the original caption is discarded). Each
   noisy pair gets proxy pairs instead: its image with the caption of the reliable pair nearest
   by image (label y_p = gamma P^ S, 0 below beta), and the symmetric text direction; they go
-  to the proxies table, and the anchor-key columns name the two proxies.
+  to the proxies table, and the anchor-key columns name the two proxies. With `proxy:
+  prototype` the proxy is the consensus member of the k nearest reliable pairs and y_p =
+  gamma |t| S (`prototype_proxy`, IN2R-style).
+- `reliable_fallback` > 0: an empty reliable set becomes the top fraction by posterior.
 - With a trainee view (co-teaching), the partition and p come from the peer, while P^, the
   reliable-set index, the noisy queries and the logit scale are the trainee's own.
 """
@@ -30,13 +33,14 @@ from pipeline.core.partition.decisions import (
     Select,
     decide_sps_split,
 )
-from pipeline.core.search.neighbours import NeighbourSearch, neighbour_rows, top1
+from pipeline.core.search.neighbours import NeighbourSearch, nearest, neighbour_rows, top1
 
 __all__ = [
     "PROXY_COLUMNS",
     "decide",
     "index_role",
     "label_shard",
+    "prototype_proxy",
     "proxy_match_probability",
     "sps_proxy_labels",
     "sps_quasi_clean_label",
@@ -169,14 +173,74 @@ def _proxy_direction(
         )
         match[found] = 0.5 * (p_i2t.astype(np.float64) + p_t2i)
     similarity = np.where(found, similarity, 0.0)
-    label = gamma * match * similarity
-    # Zero below beta (the reference's cutoff), and for S <= 0 explicitly (docs/methods.md §7.3).
-    label = np.where((label < beta) | (similarity <= 0.0) | ~found, 0.0, label)
-    label = np.where(np.isnan(similarity), np.nan, label)
     return {
-        "label": np.clip(label, 0.0, 1.0).astype(np.float32),
+        "label": _proxy_label(match, similarity, found, gamma=gamma, beta=beta),
         "similarity": similarity.astype(np.float32),
         "match": match.astype(np.float32),
+    }
+
+
+def _proxy_label(evidence, similarity, found, *, gamma: float, beta: float) -> np.ndarray:
+    """y_p = gamma * evidence * S, zero below beta (the reference's cutoff), for S <= 0 and
+    without a proxy (docs/methods.md §7.3); NaN where S is NaN; float32 in [0, 1]."""
+    label = gamma * evidence * similarity
+    label = np.where((label < beta) | (similarity <= 0.0) | ~found, 0.0, label)
+    label = np.where(np.isnan(similarity), np.nan, label)
+    return np.clip(label, 0.0, 1.0).astype(np.float32)
+
+
+def prototype_proxy(
+    query: np.ndarray,
+    same: np.ndarray,
+    other: np.ndarray,
+    found: np.ndarray,
+    *,
+    logit_scale: float,
+    gamma: float = 1.0,
+    beta: float = 0.5,
+) -> dict[str, np.ndarray]:
+    """IN2R-style prototype proxies of one direction (docs/methods.md §7.3, `proxy: prototype`).
+
+    Image direction shown (the text direction swaps the modalities): the k reliable pairs
+    nearest to the noisy image weigh w_r = softmax_r(s u_n.u_r); their captions' weighted mean
+    t = sum_r w_r v_r is the prototype (IN2R's target without its learned refiner). A caption
+    cannot be averaged, so the candidate whose caption is nearest to t is the proxy (the first
+    in search order on ties). Its label is y_p = gamma * |t| * S, with |t| in [0, 1] the
+    neighbours' consensus (1 when their captions agree) and S = sum_r w_r u_n.u_r; then the
+    cut of `_proxy_label`.
+
+    Args:
+        query: (Q, D) the noisy pairs' embeddings on the searched side (u_n).
+        same: (Q, k, D) the candidates' embeddings on that side (u_r), search order.
+        other: (Q, k, D) their embeddings on the other side (v_r: the captions).
+        found: (Q, k) bool candidate exists (fewer reliable pairs than k: False).
+        logit_scale: s, the labelling model's 1/tau.
+        gamma, beta: the proxy-label scale and cutoff.
+
+    Returns:
+        dict of (Q,): "choice" int64 the proxy's position in 0..k-1 (-1: no candidate),
+        "label", "similarity" (S), "consensus" (|t|) float32.
+    """
+    query = np.asarray(query, dtype=np.float64)
+    same = np.asarray(same, dtype=np.float64)
+    other = np.asarray(other, dtype=np.float64)
+    found = np.asarray(found, dtype=bool)
+    similarity = np.einsum("qd,qkd->qk", query, same)  # (Q, k)
+    logits = np.where(found, logit_scale * similarity, -np.inf)
+    any_found = found.any(axis=1)
+    peak = np.where(any_found, logits.max(axis=1), 0.0)[:, None]
+    weights = np.where(found, np.exp(logits - peak), 0.0)
+    weights /= np.maximum(weights.sum(axis=1, keepdims=True), 1e-300)
+    prototype = np.einsum("qk,qkd->qd", weights, other)  # (Q, D)
+    fit = np.where(found, np.einsum("qkd,qd->qk", other, prototype), -np.inf)
+    choice = np.where(any_found, np.argmax(fit, axis=1), -1)
+    mean_similarity = np.where(any_found, (weights * np.where(found, similarity, 0.0)).sum(1), 0)
+    consensus = np.linalg.norm(prototype, axis=1)
+    return {
+        "choice": choice.astype(np.int64),
+        "label": _proxy_label(consensus, mean_similarity, any_found, gamma=gamma, beta=beta),
+        "similarity": mean_similarity.astype(np.float32),
+        "consensus": consensus.astype(np.float32),
     }
 
 
@@ -261,9 +325,20 @@ def sps_proxy_labels(
 def decide(
     count: dict[str, int], select: Select, threshold: float, params
 ) -> tuple[PartitionDecisions, dict]:
-    """The three-way split (params: eps1, eps2)."""
-    eps2, report = decide_sps_split(count, select, eps1=params.eps1, eps2=params.eps2)
-    decisions = PartitionDecisions(threshold=threshold, sps_eps1=params.eps1, sps_eps2=eps2)
+    """The three-way split (params: eps1, eps2, reliable_fallback)."""
+    eps2, reliable_cut, report = decide_sps_split(
+        count,
+        select,
+        eps1=params.eps1,
+        eps2=params.eps2,
+        reliable_fallback=params.reliable_fallback,
+    )
+    decisions = PartitionDecisions(
+        threshold=threshold,
+        sps_eps1=params.eps1,
+        sps_eps2=eps2,
+        sps_reliable_cut=reliable_cut,
+    )
     return decisions, {"sps_split": report}
 
 
@@ -272,10 +347,71 @@ def index_role(params) -> IndexRole:
     return INDEX_ROLES["reliable"]
 
 
+def _nearest_proxies(inputs: ShardInputs, neighbours: NeighbourSearch, params, noisy):
+    """The paper's proxies: the nearest reliable pair per direction, y_p = gamma P^ S.
+    Returns the chosen rows by image and by text and `sps_proxy_labels`'s dict."""
+    u, v, dim = inputs.u[noisy], inputs.v[noisy], inputs.u.shape[1]
+    image_nn = top1(neighbours, "image", u, inputs.query_batch)
+    text_nn = top1(neighbours, "text", v, inputs.query_batch)
+    by_image = neighbour_rows(neighbours, image_nn, ("u", "v", "keys", "captions"), dim)
+    by_text = neighbour_rows(neighbours, text_nn, ("u", "v", "keys"), dim)
+    out = sps_proxy_labels(
+        u,
+        v,
+        image_nn,
+        by_image["u"],
+        by_image["v"],
+        text_nn,
+        by_text["u"],
+        by_text["v"],
+        logit_scale=inputs.logit_scale,
+        gamma=params.gamma,
+        beta=params.beta,
+        batch_size=params.batch_size,
+        seed=inputs.seed,
+    )
+    return by_image, by_text, out
+
+
+def _prototype_proxies(inputs: ShardInputs, neighbours: NeighbourSearch, params, noisy):
+    """`prototype_proxy` in both directions over the `proxy_k` nearest reliable pairs; the
+    consensus |t| stands in the P^ columns. Returns what `_nearest_proxies` does."""
+    queries, dim, k = len(noisy), inputs.u.shape[1], params.proxy_k
+    chosen, out = {}, {}
+    for side, query, same, other, fields in (
+        ("img", inputs.u[noisy], "u", "v", ("u", "v", "keys", "captions")),
+        ("txt", inputs.v[noisy], "v", "u", ("u", "v", "keys")),
+    ):
+        modality = "image" if side == "img" else "text"
+        nn = nearest(neighbours, modality, query, k, inputs.query_batch)  # (Q, k)
+        rows = neighbour_rows(neighbours, nn.reshape(-1), fields, dim)
+        proxy = prototype_proxy(
+            query,
+            rows[same].reshape(queries, k, dim),
+            rows[other].reshape(queries, k, dim),
+            nn >= 0,
+            logit_scale=inputs.logit_scale,
+            gamma=params.gamma,
+            beta=params.beta,
+        )
+        # No candidate (choice -1): position 0 is missing too, so its key is None.
+        pick = np.arange(queries) * k + np.maximum(proxy["choice"], 0)
+        chosen[side] = {name: rows[name][pick] for name in fields}
+        out.update(
+            {
+                f"y_p_{side}": proxy["label"],
+                f"s_{side}": proxy["similarity"],
+                f"p_hat_{side}": proxy["consensus"],
+            }
+        )
+    return chosen["img"], chosen["txt"], out
+
+
 def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch, params) -> ShardLabels:
-    """SPS labels and proxy pairs of one shard (params: gamma, beta, batch_size)."""
-    u, v, masks = inputs.u, inputs.v, inputs.masks
-    n, dim = u.shape
+    """SPS labels and proxy pairs of one shard (params: gamma, beta, batch_size, proxy,
+    proxy_k)."""
+    n = inputs.u.shape[0]
+    masks = inputs.masks
     codes = masks.sps
     label = np.zeros(n, dtype=np.float32)
     label[codes == CLEAN] = 1.0
@@ -288,25 +424,8 @@ def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch, params) -> Sha
     text_keys = np.full(n, None, dtype=object)
     proxies = None
     if noisy.size:
-        image_nn = top1(neighbours, "image", u[noisy], inputs.query_batch)
-        text_nn = top1(neighbours, "text", v[noisy], inputs.query_batch)
-        by_image = neighbour_rows(neighbours, image_nn, ("u", "v", "keys", "captions"), dim)
-        by_text = neighbour_rows(neighbours, text_nn, ("u", "v", "keys"), dim)
-        out = sps_proxy_labels(
-            u[noisy],
-            v[noisy],
-            image_nn,
-            by_image["u"],
-            by_image["v"],
-            text_nn,
-            by_text["u"],
-            by_text["v"],
-            logit_scale=inputs.logit_scale,
-            gamma=params.gamma,
-            beta=params.beta,
-            batch_size=params.batch_size,
-            seed=inputs.seed,
-        )
+        find = _prototype_proxies if params.proxy == "prototype" else _nearest_proxies
+        by_image, by_text, out = find(inputs, neighbours, params, noisy)
         image_keys[noisy] = by_image["keys"]
         text_keys[noisy] = by_text["keys"]
         proxies = {

@@ -13,7 +13,8 @@ Contract:
   * 1 % rule: when every finite posterior exceeds the threshold, the threshold becomes the value
     at sorted position floor(N/100), so about 1 % of the pairs turn noisy;
   * symmetric guard: when nothing is then selected, the max(1, floor(N/100)) lowest-loss valid
-    pairs (RCR: largest min(alpha_i2t, alpha_t2i)) are, ties by sample id.
+    pairs (RCR: largest min(alpha_i2t, alpha_t2i)) are, ties by sample id; SPS's optional
+    reliable fallback is the same rule over the highest posteriors.
 - A NaN/inf posterior (its loss was not finite) is never clean, never an anchor, never in C.
 - `Select` is how decisions ask for order statistics: `select(what, k, in_play, decisions,
   with_id)` ranks the rows named by `what` (see `selection_rows`) over every shard.
@@ -75,6 +76,7 @@ class PartitionDecisions:
     anchor_cut: Cut | None = None  # BiCro anchors: clean (loss key, id) <= cut
     sps_eps1: float | None = None  # SPS: reliable iff posterior > eps1
     sps_eps2: float | None = None  # SPS: noisy iff posterior <= eps2 (after the 1 % rule)
+    sps_reliable_cut: Cut | None = None  # SPS fallback: reliable iff valid (-p, id) <= cut
     rcr_delta: float | None = None  # RCR: C iff both direction posteriors > delta
     rcr_guard_cut: Cut | None = None  # RCR guard: valid (-min alpha, id) <= cut
 
@@ -149,7 +151,11 @@ def shard_masks(scalars: ShardScalars, decisions: PartitionDecisions) -> ShardMa
             codes = np.full(prob.shape, NOISY, dtype=np.int8)
             kept = valid & (prob > decisions.sps_eps2)
             codes[kept] = QUASI_CLEAN
-            codes[kept & (prob > decisions.sps_eps1)] = CLEAN
+            if decisions.sps_reliable_cut is None:
+                codes[kept & (prob > decisions.sps_eps1)] = CLEAN
+            else:
+                top = order_keys(np.where(valid, -prob, 0.0))
+                codes[valid & at_or_below(top, scalars.ids, decisions.sps_reliable_cut)] = CLEAN
             masks.sps = codes
     if decisions.rcr_delta is not None and scalars.alpha_i2t is not None:
         a, b = scalars.alpha_i2t, scalars.alpha_t2i
@@ -169,12 +175,15 @@ def selection_rows(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(keys uint64, ids int64) of the rows a selection ranks.
 
-    `what`: "prob" (valid posteriors), "loss_valid" (losses of valid rows), "loss_clean"
+    `what`: "prob" (valid posteriors), "prob_desc" (their negatives: highest first),
+    "loss_valid" (losses of valid rows), "loss_clean"
     (losses of the clean split under `decisions`), "rcr_guard" (-min(alpha_i2t, alpha_t2i)).
     """
     valid = np.isfinite(scalars.prob)
     if what == "prob":
         return order_keys(scalars.prob[valid]), scalars.ids[valid]
+    if what == "prob_desc":
+        return order_keys(-scalars.prob[valid]), scalars.ids[valid]
     if what == "loss_valid":
         return order_keys(scalars.loss[valid]), scalars.ids[valid]
     if what == "loss_clean":
@@ -195,6 +204,17 @@ def _one_percent_threshold(select: Select, valid: int) -> tuple[float, int]:
     return key_value(key), n_le
 
 
+def _guard_cut(select: Select, what: str, valid: int, fraction: Fraction) -> tuple[Cut, int]:
+    """The symmetric guard's cut: the max(1, floor(fraction x valid)) first rows of the
+    selection `what` (ties by id), and how many that is."""
+    k = max(1, math.floor(fraction * valid))
+    key, sample, _ = select(what, k, valid, None, True)
+    return (key, sample), k
+
+
+GUARD_FRACTION = Fraction(1, 100)  # the symmetric guard's share of the valid pairs
+
+
 def decide_clean_split(
     count: dict[str, int], select: Select, *, threshold: float
 ) -> tuple[float, Cut | None, int, dict[str, Any]]:
@@ -212,9 +232,7 @@ def decide_clean_split(
         n_clean = valid - n_le
     guard = valid > 0 and n_clean == 0
     if guard:
-        k = max(1, valid // 100)
-        key, sample, _ = select("loss_valid", k, valid, None, True)
-        guard_cut, n_clean = (key, sample), k
+        guard_cut, n_clean = _guard_cut(select, "loss_valid", valid, GUARD_FRACTION)
     report = {
         "threshold": threshold,
         "one_percent_rule": bool(one_percent),
@@ -240,13 +258,21 @@ def decide_anchors(
 
 
 def decide_sps_split(
-    count: dict[str, int], select: Select, *, eps1: float, eps2: float
-) -> tuple[float, dict[str, Any]]:
+    count: dict[str, int],
+    select: Select,
+    *,
+    eps1: float,
+    eps2: float,
+    reliable_fallback: float = 0.0,
+) -> tuple[float, Cut | None, dict[str, Any]]:
     """SPS: reliable > eps1 >= quasi-clean > eps2 >= noisy; the 1 % rule applies at eps2 (as the
-    released code), no guard (an empty reliable set only means no proxies).
+    released code). When no posterior exceeds eps1 and `reliable_fallback` > 0, the
+    max(1, floor(reliable_fallback x N)) valid pairs of highest posterior (ties by id) are
+    reliable instead: the symmetric guard's rule over the posterior. At 0 the set stays empty
+    (no proxies), as in the paper.
 
     Returns:
-        (eps2 applied, report).
+        (eps2 applied, reliable cut or None, report).
     """
     if not eps1 > eps2:
         raise ValueError(f"SPS needs eps1 > eps2, got eps1={eps1} and eps2={eps2}")
@@ -256,17 +282,23 @@ def decide_sps_split(
     if one_percent:
         eps2, n_le = _one_percent_threshold(select, valid)
         kept = valid - n_le
+    n_reliable, reliable_cut = int(count["above_eps1"]), None
+    fallback = n_reliable == 0 and valid > 0 and reliable_fallback > 0
+    if fallback:
+        share = Fraction(repr(float(reliable_fallback)))
+        reliable_cut, n_reliable = _guard_cut(select, "prob_desc", valid, share)
     report = {
         "threshold": eps2,
         "eps1": eps1,
         "one_percent_rule": bool(one_percent),
         "symmetric_guard": False,
+        "reliable_fallback": bool(fallback),
         "n_selected": int(kept),
         "n_invalid": int(count["rows"] - valid),
-        "n_reliable": int(count["above_eps1"]),
-        "no_reliable_set": count["above_eps1"] == 0,  # no proxies: every noisy label is 0
+        "n_reliable": n_reliable,
+        "no_reliable_set": n_reliable == 0,  # no proxies: every noisy label is 0
     }
-    return eps2, report
+    return eps2, reliable_cut, report
 
 
 def decide_rcr_candidates(
@@ -282,9 +314,7 @@ def decide_rcr_candidates(
     cut = None
     guard = rcr_valid > 0 and in_c == 0
     if guard:
-        k = max(1, rcr_valid // 100)
-        key, sample, _ = select("rcr_guard", k, rcr_valid, None, True)
-        cut, in_c = (key, sample), k
+        cut, in_c = _guard_cut(select, "rcr_guard", rcr_valid, GUARD_FRACTION)
     report = {
         "threshold": delta,
         "one_percent_rule": False,

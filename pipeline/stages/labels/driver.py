@@ -10,7 +10,8 @@ Contract (docs/architecture.md, "The label pass"):
 - Steps, each a Ray task per shard (or an actor per index shard); the driver folds only O(bins)
   histograms, counts, a few cut points and metrics, never a per-sample list:
   1. rows and loss ranges; 2. histograms -> BMM/GMM fits; 3. partition counts and the method's
-  decisions (radix selects); 4. index rows -> index actors; 5. label tasks.
+  decisions (radix selects), and each modality's corpus mean when the method centres (exact
+  sums per shard); 4. index rows -> index actors; 5. label tasks.
   With `labels.loss_negatives: competitors`, between 1 and 2: an index of every pair (the
   partitioning view), each shard's InfoNCE against its pairs' competitors written to
   `spec.out_dir/_competitor_loss/<shard>.parquet`, and that loss is what every later step reads.
@@ -27,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core.labels.centring import corpus_means, merge_sums
 from pipeline.core.mixture.fit import MIXTURES, MixtureFit, merge_histograms, merge_ranges
 from pipeline.core.partition.decisions import PartitionDecisions
 from pipeline.core.partition.select import radix_select
@@ -121,6 +123,20 @@ def _competitor_losses(spec, shards, offsets, infos, dim) -> list[dict]:
         for actor in actors:
             ray.kill(actor)
     return [{**info, "ranges": r} for info, r in zip(infos, ranges, strict=True)]
+
+
+def _centred(spec: LabelSpec, shards: list[str]) -> LabelSpec:
+    """The spec with each modality's corpus mean when the method centres (shards send only
+    their exact fixed-point sums; `pipeline.core.labels.centring`)."""
+    if not spec.method.centred(spec.params):
+        return spec
+    sums = merge_sums(_map(shard_tasks.embedding_sums_task, spec, shards))
+    mean_u, mean_v = corpus_means(sums)
+    logger.debug(
+        f"labels: centring on the corpus means of {sums.rows} pairs (norms: image "
+        f"{np.linalg.norm(mean_u):.3f}, text {np.linalg.norm(mean_v):.3f})"
+    )
+    return replace(spec, embedding_means=(mean_u, mean_v))
 
 
 def _decide(spec, shards, offsets, fits_ref) -> tuple[PartitionDecisions, dict]:
@@ -308,6 +324,7 @@ def run_label_pass(spec: LabelSpec) -> dict[str, Any]:
     fits_ref = ray.put(fits)
     clock.step("fit")
     decisions, partition = _decide(spec, shards, offsets, fits_ref)
+    spec = _centred(spec, shards)
     clock.step("partition")
     logger.debug(f"labels: partition {json.dumps(partition, sort_keys=True)}")
     if spec.labelling_view != spec.view:
@@ -367,6 +384,7 @@ def _summary(spec, shards, missing, total, results, fits, partition, index_info)
         "partition": partition,
         "mixture": {name: _fit_summary(fit) for name, fit in fits.items()},
         "index": index_info,
+        "centring": _centring(spec),
         "seconds": {},
         "quality": None,
     }
@@ -374,6 +392,17 @@ def _summary(spec, shards, missing, total, results, fits, partition, index_info)
         summary["quality"] = quality_from_parts([r["quality"] for r in results if "quality" in r])
         _log_quality(summary["quality"], summary)
     return summary
+
+
+def _centring(spec: LabelSpec) -> dict[str, float] | None:
+    """The norms of the means the labels were centred on (near 1: a collapsed space)."""
+    if spec.embedding_means is None:
+        return None
+    mean_u, mean_v = spec.embedding_means
+    return {
+        "image_mean_norm": float(np.linalg.norm(mean_u)),
+        "text_mean_norm": float(np.linalg.norm(mean_v)),
+    }
 
 
 def _fit_summary(fit: MixtureFit) -> dict[str, Any]:

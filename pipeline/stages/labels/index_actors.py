@@ -289,5 +289,9 @@ def save_indexes(
         "shard_offsets": [int(o) for o in offsets],
         "job_hash": spec.job_hash,
     }
+    if spec.embedding_means is not None:
+        # Centred vectors (labels.bicro.centre): centre a query the same way before searching.
+        mean_u, mean_v = spec.embedding_means
+        description["centred_on"] = {"image": mean_u.tolist(), "text": mean_v.tolist()}
     write_json_atomic(description, f"{folder}/{INDEX_DESCRIPTION}")
     return folder

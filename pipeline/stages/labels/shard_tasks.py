@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.core.labels import ShardInputs
+from pipeline.core.labels.centring import EmbeddingSums, centre, embedding_sums
 from pipeline.core.mixture.fit import MixtureFit, build_histogram, clean_posterior, histogram_range
 from pipeline.core.partition.decisions import (
     PartitionDecisions,
@@ -37,6 +38,7 @@ __all__ = [
     "competitor_loss_task",
     "competitor_rows_task",
     "count_task",
+    "embedding_sums_task",
     "histogram_task",
     "index_rows_task",
     "load_shard",
@@ -58,6 +60,23 @@ def _scalar_columns(spec: LabelSpec) -> list[str]:
     if spec.labels.loss == "triplet":
         columns.append(f"loss_triplet_{view}")
     return columns
+
+
+def _stored_embeddings(spec: LabelSpec, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    view = spec.labelling_view
+    u = embedding_matrix(table.column(f"image_embedding_{view}"))
+    v = embedding_matrix(table.column(f"text_embedding_{view}"))
+    return u, v
+
+
+def _labelling_embeddings(spec: LabelSpec, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """(u, v) of the labelling view as the method sees them: centred on the corpus means when
+    the driver set them (`LabelSpec.embedding_means`)."""
+    u, v = _stored_embeddings(spec, table)
+    if spec.embedding_means is None:
+        return u, v
+    mean_u, mean_v = spec.embedding_means
+    return centre(u, mean_u), centre(v, mean_v)
 
 
 def _float_column(table: pa.Table, name: str) -> np.ndarray:
@@ -141,6 +160,12 @@ def range_task(spec: LabelSpec, shard: str) -> dict[str, Any]:
         "image_sha256": "image_sha256" in schema.names,
         "dim": int(schema.field(f"image_embedding_{labelling}").type.list_size),
     }
+
+
+def embedding_sums_task(spec: LabelSpec, shard: str) -> EmbeddingSums:
+    """The labelling view's embedding sums of one shard (they add up to the corpus means)."""
+    table = read_table(spec.embeddings_path(shard), _embedding_columns(spec.labelling_view))
+    return embedding_sums(*_stored_embeddings(spec, table))
 
 
 def histogram_task(spec: LabelSpec, shard: str, ranges: dict[str, tuple[float, float]]) -> dict:
@@ -246,8 +271,7 @@ def index_rows_task(
     table = read_table(path, _embedding_columns(labelling) + _scalar_columns(spec) + columns)
     scalars = _scalars(spec, table, offset, shard)
     add_posteriors(spec, scalars, fits)
-    u = embedding_matrix(table.column(f"image_embedding_{labelling}"))
-    v = embedding_matrix(table.column(f"text_embedding_{labelling}"))
+    u, v = _labelling_embeddings(spec, table)
     finite = np.isfinite(u).all(axis=1) & np.isfinite(v).all(axis=1)
     rows = np.flatnonzero(role.rows(shard_masks(scalars, decisions)) & finite)
     fields: dict[str, np.ndarray] = {}
@@ -287,14 +311,15 @@ def load_shard(
     )
     scalars = _scalars(spec, table, offset, shard)
     add_posteriors(spec, scalars, fits)
+    u, v = _labelling_embeddings(spec, table)
     loss_i2t, loss_t2i = scalars.loss_i2t, scalars.loss_t2i
     if labelling != view:
         loss_i2t, loss_t2i = (_float_column(table, name) for name in labelling_losses)
     inputs = ShardInputs(
         scalars=scalars,
         masks=shard_masks(scalars, decisions),
-        u=embedding_matrix(table.column(f"image_embedding_{labelling}")),
-        v=embedding_matrix(table.column(f"text_embedding_{labelling}")),
+        u=u,
+        v=v,
         loss_i2t=loss_i2t,
         loss_t2i=loss_t2i,
         seed=shard_seed(spec, shard),

@@ -43,6 +43,9 @@ class LabelSpec:
     # The run-state key this pass is computed under, recorded in `_label_pass.json`
     # (`pipeline.io.layout.RUN_STATE_FIELD`); None outside a run.
     run_state: dict | None = None
+    # Each modality's corpus mean (image, text), (D,) float64, when the method centres
+    # (`LabelMethod.centred`): set by the driver from the pass's own rows, never by a job.
+    embedding_means: tuple | None = None
 
     def __post_init__(self) -> None:
         if not self.shards:
