@@ -67,7 +67,7 @@ def update_warmup(
         state: the state before the epoch.
         epoch_loss: mean per-direction InfoNCE over the epoch (plain, unselected).
         batch_size: b, which sets the chance level ln b.
-        rsum: held-out retrieval rSum after the epoch, or None without a test split.
+        rsum: retrieval rSum on the validation split after the epoch, or None without one.
         max_epochs: hard cap on warm-up epochs.
         plateau_fraction: the model has left the plateau once epoch_loss < fraction * ln b.
         patience: epochs without an rSum improvement (after the plateau) before stopping.
