@@ -11,6 +11,8 @@ warm-up:
                           kept fraction f in {0.3, 0.5, fit (the mixture's clean weight), 0.7}
   filter_warmed           the warmed models' cosine, the fitted fraction (today's default)
   coteach_<method>        co-teaching with each method in --methods
+  filter_labels_<m>_<f>   the same filter, ranking by our round-1 labels (method m, the two
+                          views' mean) instead of the teacher's cosine, fractions as above
 The best initial filter is picked per seed by **validation** rSum (the mean of A's and B's
 rSum on the validation split after the last epoch); the test split is only reported.
 
@@ -188,6 +190,17 @@ def _runs(methods: list[str]) -> list[tuple[str, dict]]:
         )
     runs.append(("filter_warmed", {"train.mode": "cosine_filter", "train.filter_scorer": "warmed"}))
     runs += [(f"coteach_{m}", {"train.mode": "coteach", "labels.method": m}) for m in methods]
+    for method in methods:  # our labels used the way the CLIP score is
+        for fraction in FRACTIONS:
+            overrides = {
+                "train.mode": "cosine_filter",
+                "train.filter_scorer": "labels",
+                "labels.method": method,
+                "train.filter_fraction": "null" if fraction is None else fraction,
+            }
+            runs.append(
+                (f"filter_labels_{method}_{'fit' if fraction is None else fraction}", overrides)
+            )
     return runs
 
 
@@ -311,22 +324,15 @@ def summarise(results: dict[str, list[dict]], gates: list[dict]) -> None:
     """Medians over seeds; the best initial filter is chosen per seed on validation rSum."""
     seeds = sorted({r["seed"] for rows in results.values() for r in rows})
     by_seed = {name: {r["seed"]: r for r in rows} for name, rows in results.items()}
-    best_filter = []
-    chosen = []
-    for seed in seeds:
-        candidates = [
-            by_seed[n][seed]
-            for n in by_seed
-            if n.startswith("filter_initial_")
-            and seed in by_seed[n]
-            and by_seed[n][seed]["val_rsum"] is not None
-        ]
-        if candidates:
-            pick = max(candidates, key=lambda r: r["val_rsum"])
-            best_filter.append(pick["test_rsum_ab"])
-            chosen.append(pick["run"])
     test = {name: _spread([r["test_rsum_ab"] for r in rows]) for name, rows in results.items()}
-    test["filter_initial_best_by_val"] = _spread(best_filter)
+    prefixes = {"filter_initial_"} | {
+        name.rsplit("_", 1)[0] + "_" for name in results if name.startswith("filter_labels_")
+    }
+    chosen = []
+    for prefix in sorted(prefixes):
+        best, picks = _best_by_validation(by_seed, seeds, prefix)
+        test[f"{prefix}best_by_val"] = _spread(best)
+        chosen += picks if prefix == "filter_initial_" else []
     med = {name: spread["median"] for name, spread in test.items()}
 
     def ratio(a, b):
@@ -355,8 +361,32 @@ def summarise(results: dict[str, list[dict]], gates: list[dict]) -> None:
             }
             for name in results
             if name.startswith("coteach_")
+        }
+        | {
+            name: {"over_best_filter": ratio(name, "filter_initial_best_by_val")}
+            for name in test
+            if name.startswith("filter_labels_") and name.endswith("best_by_val")
         },
     )
+
+
+def _best_by_validation(by_seed: dict, seeds: list, prefix: str) -> tuple[list, list]:
+    """Per seed, the test rSum of the run named `prefix...` with the best validation rSum
+    (the kept fraction is picked on validation, never on test), and the runs picked."""
+    best, chosen = [], []
+    for seed in seeds:
+        candidates = [
+            by_seed[n][seed]
+            for n in by_seed
+            if n.startswith(prefix)
+            and seed in by_seed[n]
+            and by_seed[n][seed]["val_rsum"] is not None
+        ]
+        if candidates:
+            pick = max(candidates, key=lambda r: r["val_rsum"])
+            best.append(pick["test_rsum_ab"])
+            chosen.append(pick["run"])
+    return best, chosen
 
 
 def summarise_files(paths: list[str]) -> None:

@@ -136,6 +136,9 @@ def test_the_baselines_label_sources_are_stages():
     )
     scored = {n.name: n for n in stage_graph(initial)}["round1/filter"]
     assert scored.inputs == ("round0/embed",)  # the initial model, scored once; no mixtures
+    labels = _job(train={"rounds": 1, "mode": "cosine_filter", "filter_scorer": "labels"})
+    by_labels = {n.name: n for n in stage_graph(labels)}["round1/filter"]
+    assert by_labels.inputs == ("round1/labels_a", "round1/labels_b")
 
 
 def _key(lr=1e-3, warmup="w1", shards="s1") -> StageKey:

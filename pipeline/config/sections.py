@@ -466,12 +466,14 @@ class TrainConfig(_Section):
         description="cosine_filter: share of pairs kept; null = the clean weight of the "
         "mixture fitted on the warmed models' losses.",
     )
-    filter_scorer: Literal["initial", "warmed"] | None = Field(
+    filter_scorer: Literal["initial", "warmed", "labels"] | None = Field(
         None,
-        description="cosine_filter: which model scores the pairs. initial: the model the job "
+        description="cosine_filter: what scores the pairs. initial: the model the job "
         "starts from, once, before any training on the corpus (DataComp's CLIP-score filter); "
-        "warmed: the two warmed-up models (the small-loss criterion with 0/1 weights). null = "
-        "initial when model.pretrained is set, else warmed.",
+        "warmed: the two warmed-up models' cosine (the small-loss criterion with 0/1 weights); "
+        "labels: round 1's soft labels (labels.method on the warmed models, the mean of the "
+        "two views), used the way a CLIP score is. null = initial when model.pretrained is "
+        "set, else warmed.",
     )
     label_loss: Literal["weighted_infonce", "soft_margin_triplet"] = Field(
         "weighted_infonce",

@@ -50,9 +50,10 @@ def _baseline_stages(job, r: int, labels_round1: tuple[str, ...]) -> list[Stage]
     if mode == "oracle":
         return [Stage(f"round{r}/oracle", "oracle", r, (f"round{r}/embed",))]
     if mode == "cosine_filter" and r == 1:
-        scored = "round0/embed" if job.filter_scorer() == "initial" else "round1/embed"
-        fitted = labels_round1 if job.train.filter_fraction is None else ()
-        return [Stage("round1/filter", "filter", 1, (scored, *fitted))]
+        scorer = job.filter_scorer()
+        scored = {"initial": ("round0/embed",), "warmed": ("round1/embed",)}.get(scorer, ())
+        fitted = labels_round1 if job.train.filter_fraction is None or scorer == "labels" else ()
+        return [Stage("round1/filter", "filter", 1, (*scored, *fitted))]
     return []
 
 

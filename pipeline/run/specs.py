@@ -240,10 +240,10 @@ def write_baseline(
     job: JobConfig, layout: RunLayout, kind: str, round_index: int, paths: list[str], folder: str
 ) -> dict:
     """The tables of an `oracle` stage (the ground truth's clean pairs among round r's embedded
-    pairs) or a `filter` stage (the top fraction by the scorer's cosine, `job.filter_scorer()`:
-    the initial model's round-0 embeddings, or the warmed models' round-1 embeddings) in
-    `folder`; returns their summary (`kept`: rows per shard)."""
-    from pipeline.stages.baselines.cosine_filter import write_cosine_filter
+    pairs) or a `filter` stage (the top fraction by `job.filter_scorer()`: the initial model's
+    round-0 cosine, the warmed models' round-1 cosines, or round 1's soft labels) in `folder`;
+    returns their summary (`kept`: rows per shard)."""
+    from pipeline.stages.baselines.cosine_filter import write_cosine_filter, write_score_filter
     from pipeline.stages.baselines.oracle import write_oracle_labels
 
     embedded = shard_sizes(layout, round_index, paths)
@@ -254,6 +254,13 @@ def write_baseline(
     if fraction is None:  # the clean share the mixtures found under the warmed models
         fraction = _fitted_clean_share(job, layout)
     scorer = job.filter_scorer()
+    if scorer == "labels":  # the two views' soft labels of round 1, averaged
+        sources = {
+            s: tuple((f"{layout.labels_round_dir(1, v)}/{s}.parquet", "soft_label") for v in "ab")
+            for s in embedded
+        }
+        kept = write_score_filter(sources, folder, fraction)
+        return {"fraction": fraction, "scorer": scorer, "kept": kept}
     # Round 0 embeds one view (the initial model, 'a'); round 1 the two warmed models.
     scored_round, columns = (0, ("cosine_a",)) if scorer == "initial" else (1, FILTER_COSINES)
     embeddings = {s: layout.embeddings(scored_round, s) for s in embedded}

@@ -9,6 +9,9 @@ Contract:
   soft_label 1 (the trainer then fine-tunes on exactly those pairs, as DataComp's CLIP-score
   baseline does). Ties are broken by global sample id, so the kept set does not depend on
   sharding. Returns the kept pairs per shard (the trainer's samples per shard).
+- `write_score_filter(sources, out_dir, fraction)` is the same over any per-pair score: the mean
+  of (table, column) pairs per shard, e.g. the two views' `soft_label` of a round's label
+  tables (`train.filter_scorer: labels`: our labels used the way a CLIP score is).
 - One Ray task per shard reads its cosines; the cut is found by the distributed radix select
   of `pipeline.core.partition.select`; only digit histograms and counts reach the driver.
 """
@@ -25,7 +28,13 @@ from pipeline.core.partition.select import at_or_below, order_keys, radix_select
 from pipeline.io.tables import read_table, write_table_atomic
 from pipeline.runtime.preflight import Request, more_cpus, resources_of
 
-__all__ = ["FILTER_SCHEMA", "TASK_OPTIONS", "ray_requests", "write_cosine_filter"]
+__all__ = [
+    "FILTER_SCHEMA",
+    "TASK_OPTIONS",
+    "ray_requests",
+    "write_cosine_filter",
+    "write_score_filter",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -44,29 +53,37 @@ def ray_requests(job: JobConfig, cluster_gpus: float) -> list[Request]:
     return [Request("cosine-filter task", "", resources_of(TASK_OPTIONS), fix=more_cpus(job))]
 
 
-def _scores(
-    path: str, offset: int, columns: tuple[str, ...]
-) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """(keys, order keys of -mean cosine: ascending = most similar first, global ids)."""
-    table = read_table(path, ["key", *columns])
-    cosines = [table.column(c).to_numpy().astype(np.float32) for c in columns]
-    mean = (sum(cosines) / np.float32(len(columns))).astype(np.float32)
-    mean = np.where(np.isfinite(mean), mean, np.float32(-2.0))  # never above a real cosine
-    ids = offset + np.arange(table.num_rows, dtype=np.int64)
-    return table.column("key").to_pylist(), order_keys(-mean), ids
+Sources = tuple[tuple[str, str], ...]  # one shard's (table, column) pairs to average
 
 
-def _rows_task(path: str) -> int:
-    return read_table(path, ["key"]).num_rows
+def _scores(sources: Sources, offset: int) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """(keys, order keys of -mean score: ascending = highest first, global ids). Every table
+    of `sources` lists the shard's pairs in the same order (checked)."""
+    keys, scores = None, []
+    for path, column in sources:
+        table = read_table(path, ["key", column])
+        names = table.column("key").to_pylist()
+        if keys is not None and names != keys:
+            raise ValueError(f"{path} does not list {sources[0][0]}'s pairs in the same order")
+        keys = names
+        scores.append(table.column(column).to_numpy(zero_copy_only=False).astype(np.float32))
+    mean = (sum(scores) / np.float32(len(scores))).astype(np.float32)
+    mean = np.where(np.isfinite(mean), mean, np.float32(-2.0))  # never above a real score
+    ids = offset + np.arange(len(keys or []), dtype=np.int64)
+    return keys or [], order_keys(-mean), ids
 
 
-def _select_task(path: str, offset: int, columns, prefix: tuple[int, ...], fetch: bool):
-    _, keys, ids = _scores(path, offset, columns)
+def _rows_task(sources: Sources) -> int:
+    return read_table(sources[0][0], ["key"]).num_rows
+
+
+def _select_task(sources: Sources, offset: int, prefix: tuple[int, ...], fetch: bool):
+    _, keys, ids = _scores(sources, offset)
     return select_round(keys, ids, prefix, fetch)
 
 
-def _write_task(path: str, offset: int, columns, cut, out_path: str) -> int:
-    names, keys, ids = _scores(path, offset, columns)
+def _write_task(sources: Sources, offset: int, cut, out_path: str) -> int:
+    names, keys, ids = _scores(sources, offset)
     kept = at_or_below(keys, ids, cut) if cut is not None else np.zeros(len(names), bool)
     table = pa.table(
         [
@@ -97,12 +114,21 @@ def write_cosine_filter(
     Returns:
         {shard: pairs kept}.
     """
+    sources = {shard: tuple((path, c) for c in columns) for shard, path in embeddings.items()}
+    return write_score_filter(sources, out_dir, fraction, fetch_limit=fetch_limit)
+
+
+def write_score_filter(
+    sources: dict[str, Sources], out_dir: str, fraction: float, fetch_limit: int = 65536
+) -> dict[str, int]:
+    """Keep the top `fraction` of pairs by a score: per shard, the mean of the (table, column)
+    `sources` (embeddings' cosines, or label tables' soft labels), ties by global sample id."""
     import ray
 
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"the filter keeps a fraction in (0, 1] of the pairs, got {fraction}")
-    shards, paths = list(embeddings), list(embeddings.values())
-    rows = ray.get([ray.remote(_rows_task).options(**TASK_OPTIONS).remote(p) for p in paths])
+    shards, parts = list(sources), list(sources.values())
+    rows = ray.get([ray.remote(_rows_task).options(**TASK_OPTIONS).remote(p) for p in parts])
     offsets = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64).tolist()
     total = int(sum(rows))
     k = min(total, max(1, round(fraction * total))) if total else 0
@@ -110,10 +136,7 @@ def write_cosine_filter(
 
     def run_round(prefix, fetch):
         return ray.get(
-            [
-                select.remote(p, o, columns, prefix, fetch)
-                for p, o in zip(paths, offsets, strict=True)
-            ]
+            [select.remote(p, o, prefix, fetch) for p, o in zip(parts, offsets, strict=True)]
         )
 
     cut = None
@@ -123,12 +146,13 @@ def write_cosine_filter(
     write = ray.remote(_write_task).options(**TASK_OPTIONS)
     kept = ray.get(
         [
-            write.remote(p, o, columns, cut, f"{out_dir}/{s}.parquet")
-            for s, p, o in zip(shards, paths, offsets, strict=True)
+            write.remote(p, o, cut, f"{out_dir}/{s}.parquet")
+            for s, p, o in zip(shards, parts, offsets, strict=True)
         ]
     )
+    named = sorted({column for part in parts for _, column in part})
     logger.info(
-        f"cosine filter: kept {sum(kept)} of {total} pairs ({fraction:.1%}, highest mean of "
-        f"{', '.join(columns)}) -> {out_dir}"
+        f"filter: kept {sum(kept)} of {total} pairs ({fraction:.1%}, highest mean of "
+        f"{', '.join(named)}) -> {out_dir}"
     )
     return dict(zip(shards, kept, strict=True))
