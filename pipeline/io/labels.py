@@ -246,7 +246,8 @@ SPS_PROXIES_SCHEMA = pa.schema(
         # v2: T_n, the noisy pair's own caption, which the trainer pairs with the proxy image
         # Ï (the image of text_proxy_key) without opening the noisy pair's shard
         pa.field("caption", pa.string(), nullable=True),
-        pa.field("p_hat_img", pa.float32(), nullable=False),  # P^(I_n, Ṫ), duplicates masked
+        # P^(I_n, Ṫ), duplicates masked; `labels.sps.proxy: prototype`: the consensus |t|
+        pa.field("p_hat_img", pa.float32(), nullable=False),
         pa.field("p_hat_txt", pa.float32(), nullable=False),  # P^(Ï, T_n)
     ],
     metadata={"ncl.schema": SPS_PROXIES_SCHEMA_NAME},
