@@ -30,15 +30,19 @@ from pipeline.io.layout import RUN_STATE_FIELD, RunLayout
 from pipeline.io.tables import read_json, write_json_atomic
 from pipeline.models import load_clip
 from pipeline.runtime.devices import GpuUnusableError
-from pipeline.stages.train.data import (
-    TARGET_STATS,
-    epoch_batches,
-    steps_per_epoch,
-)
+from pipeline.stages.train.data import TARGET_STATS, steps_per_epoch
+from pipeline.stages.train.prefetch import EpochData, start_due
 from pipeline.stages.train.spec import TrainSpec, ViewSpec
 from pipeline.stages.train.sync import all_have, from_rank0, is_distributed, sum_across
 
-__all__ = ["NOT_RETRIED", "checkpoint_due", "epoch_line", "objective_name", "train_loop"]
+__all__ = [
+    "NOT_RETRIED",
+    "build_optimizer",
+    "checkpoint_due",
+    "epoch_line",
+    "objective_name",
+    "train_loop",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +71,20 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+def build_optimizer(model: torch.nn.Module, train, device: torch.device) -> torch.optim.AdamW:
+    """The trainer's AdamW for `model` under `train` (a TrainConfig); benchmarks/train.py's plain
+    loop builds the same, so the two compare data paths, not optimisers."""
+    return torch.optim.AdamW(
+        _param_groups(model, train.weight_decay),
+        lr=train.lr,
+        betas=(0.9, 0.98),
+        eps=1e-6,
+        # One kernel over all parameters instead of a loop of small ops per tensor, several
+        # times faster on CPU (docs/development.md).
+        fused=device.type in ("cpu", "cuda"),
+    )
 
 
 def _label_loss(
@@ -155,15 +173,7 @@ class _ViewTrainer:
             import ray.train.torch
 
             self.model = ray.train.torch.prepare_model(self.loaded.model, move_to_device=False)
-        self.optimizer = torch.optim.AdamW(
-            _param_groups(self.loaded.model, spec.train.weight_decay),
-            lr=spec.train.lr,
-            betas=(0.9, 0.98),
-            eps=1e-6,
-            # One kernel over all parameters instead of a loop of small ops per tensor, several
-            # times faster on CPU (docs/development.md).
-            fused=device.type in ("cpu", "cuda"),
-        )
+        self.optimizer = build_optimizer(self.loaded.model, spec.train, device)
         self.total_steps, self.step_offset = total_steps, step_offset
         self.step, self.epoch, self.step_in_epoch = 0, 0, 0
         self.warmup = WarmupState()
@@ -363,25 +373,29 @@ def _train(spec: TrainSpec, board, ray_train: bool) -> None:
     trainers = [_ViewTrainer(spec, view, device, **schedule) for view in spec.views]
     val_set = _eval_set(spec, spec.val_shards, trainers[0]) if rank == 0 else None
     injected = [0]  # steps run by this process, for the fault-injection test
-    while not all(t.stopped for t in trainers):
-        epoch = min(t.epoch for t in trainers if not t.stopped)
-        active = [t for t in trainers if not t.stopped and t.epoch == epoch]
-        seen, seconds = _run_epoch(spec, active, epoch, steps, rank, world, device, injected, board)
-        results = {}
-        if val_set is not None:
-            from pipeline.stages.train.evaluation import evaluate_models
+    data = EpochData(spec, rank, world)
+    try:
+        while not all(t.stopped for t in trainers):
+            epoch = min(t.epoch for t in trainers if not t.stopped)
+            active = [t for t in trainers if not t.stopped and t.epoch == epoch]
+            seen, seconds = _run_epoch(spec, data, active, epoch, steps, device, injected, board)
+            results = {}
+            if val_set is not None:
+                from pipeline.stages.train.evaluation import evaluate_models
 
-            results = evaluate_models({t.view.name: t.loaded for t in active}, val_set)
-        results = from_rank0(results, device)  # patience reads it on every rank
-        for t in active:
-            _pool_epoch(t, device)
-            rsum = results.get(t.view.name, {}).get("rsum")
-            _end_epoch(spec, t, epoch, rsum, seen, seconds, rank, board)
-        _agree_on_stops(active, device)
-        if ray_train:  # Ray Train's controller follows the workers' epochs
-            import ray.train
+                results = evaluate_models({t.view.name: t.loaded for t in active}, val_set)
+            results = from_rank0(results, device)  # patience reads it on every rank
+            for t in active:
+                _pool_epoch(t, device)
+                rsum = results.get(t.view.name, {}).get("rsum")
+                _end_epoch(spec, t, epoch, rsum, seen, seconds, rank, board)
+            _agree_on_stops(active, device)
+            if ray_train:  # Ray Train's controller follows the workers' epochs
+                import ray.train
 
-            ray.train.report({"epoch": epoch})
+                ray.train.report({"epoch": epoch})
+    finally:
+        data.close()  # a pipeline started for an epoch that did not run, or left by an error
     if rank == 0:
         _finish(spec, trainers)
 
@@ -436,20 +450,21 @@ def checkpoint_due(train, steps_done: int, since_save_s: float) -> bool:
 
 
 def _run_epoch(
-    spec, active, epoch, steps, rank, world, device, injected, board=None
+    spec, data: EpochData, active, epoch, steps, device, injected, board=None
 ) -> tuple[int, float]:
-    """One epoch of every active view, in lockstep; returns (samples seen, seconds).
+    """One epoch of every active view, in lockstep; returns (samples seen, seconds). The next
+    epoch's data starts before this one ends (`pipeline.stages.train.prefetch`).
 
     A step is taken only when every rank has a batch for it: a rank whose shards hold fewer
     usable samples than `shard_sizes` promised (samples without a label row) ends the epoch for
     all, instead of leaving the others alone in the next all-reduce.
     """
+    rank, world, views = data.rank, data.world, [t.view for t in active]
     report_every = max(1, steps // PROGRESS_REPORTS)
     # Batches each view consumed before a restart. The views' resume states are separate files,
     # so a worker lost between two saves leaves them at different steps: each skips its own.
     done = [t.step_in_epoch for t in active]
-    iterators = [epoch_batches(spec, t.view, epoch, rank, world) for t in active]
-    steps_in = zip(*iterators, strict=False)
+    steps_in = zip(*data.batches(views, epoch), strict=False)
     started, seen = time.perf_counter(), 0
     saved = started  # the last resume checkpoint (or the epoch's start)
     for index in range(steps):
@@ -463,6 +478,9 @@ def _run_epoch(
             t.train_step(b, device)
         seen += spec.train.batch_size * world
         injected[0] += 1
+        step_s = (time.perf_counter() - started) / (index + 1)
+        if start_due(steps - index - 1, steps, step_s, data.start_s()):
+            data.start_next(views, epoch + 1)
         if rank == 0 and ((index + 1) % report_every == 0 or index + 1 == steps):
             # The same quantity as the epoch line's, on this rank's batches so far.
             names = " ".join(
