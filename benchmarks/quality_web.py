@@ -40,6 +40,7 @@ from pipeline.config import load_job
 from pipeline.data.synthetic import make_corpus
 from pipeline.io.layout import BASELINE_SUMMARY, RunLayout
 from pipeline.run.runner import run_job
+from pipeline.run.specs import fitted_clean_share
 
 FRACTIONS = (0.3, 0.5, None, 0.7)  # None: the mixture's fitted clean weight
 JOB = "jobs/demo-web.yaml"
@@ -219,18 +220,6 @@ def _val_rsum(metrics: dict, rounds: int) -> float | None:
     return float(np.mean(values)) if values else None
 
 
-def _fitted_fraction(run_dir: str, kind: str) -> float:
-    from pipeline.core.mixture.fit import MixtureFit
-    from pipeline.io.tables import read_json
-
-    layout = RunLayout(run_dir)
-    weights = []
-    for view in ("a", "b"):
-        fit = MixtureFit.from_dict(read_json(layout.mixture(1, view))["fits"][kind])
-        weights.append(1.0 if fit.no_spread else fit.weights[fit.clean_component])
-    return float(np.mean(weights))
-
-
 def _spread(values: list[float]) -> dict:
     values = [v for v in values if v is not None]
     if not values:
@@ -292,7 +281,7 @@ def run_web(args, workdir: Path) -> None:
             base = base or job.output
             if name == "vanilla":
                 gate = teacher_gate(
-                    job.output, truth, _fitted_fraction(job.output, job.mixture.kind)
+                    job.output, truth, fitted_clean_share(job, RunLayout(job.output))
                 )
                 gates.append(gate)
                 emit("web_teacher", seed=seed, **gate)

@@ -20,6 +20,7 @@ __all__ = [
     "decode_options",
     "embed_spec",
     "embeddings_source",
+    "fitted_clean_share",
     "model_specs",
     "round_models",
     "shard_sizes",
@@ -248,11 +249,14 @@ def write_baseline(
 
     embedded = shard_sizes(layout, round_index, paths)
     if kind == "oracle":
+        truth = job.eval.ground_truth
+        if truth is None:  # the config refuses train.mode oracle without it
+            raise ValueError("train.mode oracle needs eval.ground_truth")
         embeddings = {s: layout.embeddings(round_index, s) for s in embedded}
-        return {"kept": write_oracle_labels(job.eval.ground_truth, embeddings, folder)}
+        return {"kept": write_oracle_labels(truth, embeddings, folder)}
     fraction = job.train.filter_fraction
     if fraction is None:  # the clean share the mixtures found under the warmed models
-        fraction = _fitted_clean_share(job, layout)
+        fraction = fitted_clean_share(job, layout)
     scorer = job.filter_scorer()
     if scorer == "labels":  # the two views' soft labels of round 1, averaged
         sources = {
@@ -268,11 +272,16 @@ def write_baseline(
     return {"fraction": fraction, "scorer": scorer, "kept": kept}
 
 
-def _fitted_clean_share(job: JobConfig, layout: RunLayout) -> float:
+def fitted_clean_share(job: JobConfig, layout: RunLayout) -> float:
+    """The clean weight of round 1's mixtures (`mixture.kind`), the mean of views a and b."""
     from pipeline.core.mixture.fit import MixtureFit
 
     weights = []
     for view in ("a", "b"):
-        fit = MixtureFit.from_dict(read_json(layout.mixture(1, view))["fits"][job.mixture.kind])
-        weights.append(1.0 if fit.no_spread else fit.weights[fit.clean_component])
+        record = read_json(layout.mixture(1, view))
+        if record is None:
+            raise FileNotFoundError(f"{layout.mixture(1, view)}: round 1's mixture is missing")
+        fit = MixtureFit.from_dict(record["fits"][job.mixture.kind])
+        clean = fit.weights[fit.clean_component] if fit.weights is not None else 1.0
+        weights.append(1.0 if fit.no_spread else clean)
     return float(np.mean(weights))

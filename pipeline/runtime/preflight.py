@@ -87,7 +87,7 @@ def _merged(requests: list[Request]) -> list[Request]:
     1-CPU tasks give one message, not one per stage."""
     groups: dict[tuple, Request] = {}
     for request in requests:
-        same = (tuple(sorted(request.unit.items())), request.count, request.beside_cpus)
+        same: tuple = (tuple(sorted(request.unit.items())), request.count, request.beside_cpus)
         same += (request.wanted_cpus, request.beside, request.fix)
         if (first := groups.get(same)) is None:
             groups[same] = request

@@ -544,10 +544,12 @@ def _pool_size(spec: EmbedSpec, pending: int) -> tuple[int, dict[str, float]]:
 
     cpus, gpus = cluster_resources()
     options = worker_options(spec.embed, gpus)
-    size = spec.embed.concurrency
-    if size == "auto" and "num_gpus" in options:
+    size: float = 0.0
+    if spec.embed.concurrency != "auto":
+        size = spec.embed.concurrency
+    elif "num_gpus" in options:
         size = gpus // options["num_gpus"]
-    elif size == "auto":
+    else:
         size = max(1, cpus // max(spec.embed.cpus_per_worker, 2))
     return max(1, min(int(size), pending)), options
 

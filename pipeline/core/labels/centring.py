@@ -41,7 +41,7 @@ def embedding_sums(u: np.ndarray, v: np.ndarray) -> EmbeddingSums:
     finite = np.isfinite(u).all(axis=1) & np.isfinite(v).all(axis=1)
 
     def fixed(x: np.ndarray) -> np.ndarray:
-        return np.rint(x[finite] * _SCALE).astype(np.int64).sum(axis=0, dtype=np.int64)
+        return np.asarray(np.rint(x[finite] * _SCALE).astype(np.int64).sum(axis=0, dtype=np.int64))
 
     return EmbeddingSums(rows=int(finite.sum()), u=fixed(u), v=fixed(v))
 
@@ -52,8 +52,8 @@ def merge_sums(parts: list[EmbeddingSums]) -> EmbeddingSums:
         raise ValueError("no embedding sums to merge: the pass has no shard")
     return EmbeddingSums(
         rows=sum(p.rows for p in parts),
-        u=np.sum([p.u for p in parts], axis=0, dtype=np.int64),
-        v=np.sum([p.v for p in parts], axis=0, dtype=np.int64),
+        u=np.asarray(np.sum([p.u for p in parts], axis=0, dtype=np.int64)),
+        v=np.asarray(np.sum([p.v for p in parts], axis=0, dtype=np.int64)),
     )
 
 
@@ -75,4 +75,4 @@ def centre(x: np.ndarray, mean: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         out = np.divide(shifted, norms, out=np.zeros_like(shifted), where=norms > 1e-12)
     out[~np.isfinite(shifted).all(axis=1)] = np.nan
-    return out.astype(np.float32)
+    return np.asarray(out, dtype=np.float32)
