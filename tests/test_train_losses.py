@@ -314,3 +314,19 @@ def test_soft_triplet_never_takes_a_co_positive_as_hardest_negative():
     keep = [0, 2, 3]
     alone = soft_margin_triplet(u[keep], v[keep], margins[keep], reduction="none")
     torch.testing.assert_close(masked[0], alone[0])
+
+
+def test_the_objective_names_sps_consistency_only_for_sps_targets():
+    """L_cro / L_met only see SPS's reliable rows, so another method's objective does not
+    claim them, whatever train.sps's weights say."""
+    from pipeline.models import ModelSpec
+    from pipeline.stages.train import TrainSpec, ViewSpec
+    from pipeline.stages.train.loop import objective_name
+
+    def spec(target: str) -> TrainSpec:
+        view = ViewSpec(name="A", init=ModelSpec("ncl-tiny", None, "fp32"), seed=0, target=target)
+        return TrainSpec("/out", 1, (view,), (), {}, round_kind="labels")
+
+    assert objective_name(spec("sps"), False) == "weighted InfoNCE + SPS consistency"
+    assert objective_name(spec("weights"), False) == "weighted InfoNCE"
+    assert objective_name(spec("rematch"), False) == "weighted InfoNCE"

@@ -113,7 +113,8 @@ def objective_name(spec: TrainSpec, selecting: bool) -> str:
         name = {"weighted_infonce": "weighted InfoNCE"}.get(
             spec.train.label_loss, "soft-margin triplet"
         )
-        if spec.train.sps.lambda_cro > 0 or spec.train.sps.lambda_met > 0:
+        sps = any(view.target == "sps" for view in spec.views)  # only SPS marks reliable rows
+        if sps and (spec.train.sps.lambda_cro > 0 or spec.train.sps.lambda_met > 0):
             name += " + SPS consistency"
         return name
     name = "InfoNCE" if spec.train.warmup.loss == "infonce" else "triplet"
