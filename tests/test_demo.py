@@ -4,6 +4,7 @@ generated corpus with the Makefile's arguments; its console is what a first user
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,4 +102,6 @@ def test_demo_job_runs_from_the_cli(tmp_path):
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     repeated = {line for line in lines if lines.count(line) > 1 and not set(line) <= {"-", " "}}
     assert not repeated, repeated
-    assert len(lines) < 120, "\n".join(lines)
+    # Progress lines are paced by time (more of them on a loaded machine); the rest is fixed.
+    settled = [line for line in lines if not re.search(r"\(\d+%\)", line)]
+    assert len(settled) < 100, "\n".join(settled)
