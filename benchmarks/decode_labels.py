@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.clients.read import read_labels
-from pipeline.data.synthetic import make_corpus
+from pipeline.data.synthetic import QUICK_DEMO, make_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,17 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="decode-labels-"))
     data = root / "demo-quick"
-    corpus = make_corpus(  # the Makefile's QUICK_DATA
-        data,
-        samples=2000,
-        noise=0.4,
-        partial=0.1,
-        seed=0,
-        samples_per_shard=500,
-        test_samples=500,
-        val_samples=250,
-        corrupt=0.005,
-    )
+    corpus = make_corpus(data, **QUICK_DEMO)
     tables = {}
     for decode in ("cpu", "device"):
         figures = run_demo(corpus, data, root / decode, decode)

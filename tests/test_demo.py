@@ -13,7 +13,7 @@ import pytest
 from log_capture import printed_before_timeout
 
 from pipeline.clients.read import labels_folder
-from pipeline.data.synthetic import make_corpus
+from pipeline.data.synthetic import QUICK_DEMO, make_corpus
 
 # The demo takes 3-4.5 min on an idle 2-core machine; on a busy one it took over 10 (two
 # suites side by side: 600 s, the suite's per-test limit, cut it off with no output). The job's
@@ -24,17 +24,7 @@ JOB_TIMEOUT_S = 900
 
 
 def test_demo_job_runs_from_the_cli(tmp_path):
-    corpus = make_corpus(
-        tmp_path / "demo",
-        samples=2000,  # the Makefile's quick corpus (QUICK_DATA)
-        noise=0.4,
-        partial=0.1,
-        seed=0,
-        samples_per_shard=500,
-        test_samples=500,
-        val_samples=250,
-        corrupt=0.005,
-    )
+    corpus = make_corpus(tmp_path / "demo", **QUICK_DEMO)
     out = tmp_path / "run"
     overrides = [
         "--set",

@@ -66,6 +66,7 @@ from pipeline.data.web_noise import (
 from pipeline.io.tables import TEMP_SUFFIX, open_atomic
 
 __all__ = [
+    "QUICK_DEMO",
     "ATTRIBUTES",
     "BACKGROUNDS",
     "COLOURS",
@@ -513,6 +514,19 @@ def _write_ncr_corpus(out: Path, params: dict) -> CorpusSummary:
     # Written last: its presence marks a complete corpus (and lets a rerun replace it).
     _write_ground_truth(out / "ground_truth.parquet", train, {**params, "split": "train"})
     return _summary(out, train, shards, held_out, params)
+
+
+# The Makefile's quick demo corpus (QUICK_DATA, `make demo`): make_corpus(folder, **QUICK_DEMO).
+QUICK_DEMO = {
+    "samples": 2000,
+    "noise": 0.4,
+    "partial": 0.1,
+    "seed": 0,
+    "samples_per_shard": 500,
+    "test_samples": 500,
+    "val_samples": 250,
+    "corrupt": 0.005,
+}
 
 
 def make_corpus(
