@@ -1,7 +1,6 @@
-"""A tiny job run through the CLI in a subprocess (`python -m pipeline.cli`), for the tests of
-what a user sees when a run is interrupted, refused or finds a damaged run directory: 200
-pairs in 2 shards, a random-init tiny CLIP, one warm-up epoch, no co-teaching round (about a
-minute on 2 cores)."""
+"""The CLI in a subprocess (`python -m pipeline.cli`) or in this process, for the tests of
+what a user sees when a run is interrupted, refused or finds a damaged run directory (their
+corpus and job: tests/shared_run.py)."""
 
 from __future__ import annotations
 
@@ -11,37 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.data.synthetic import make_corpus
-
 ROOT = Path(__file__).resolve().parents[1]
-
-JOB = """
-name: guards
-input: {{shards: "{corpus}/{{00000..00001}}.tar"}}
-output: {output}
-model: {{name: ncl-tiny, pretrained: null}}
-embed: {{batch_size: 64, gpus_per_worker: 0, cpus_per_worker: 1, decode_threads: 1, concurrency: 1}}
-mixture: {{kind: gmm}}
-labels: {{method: bicro}}
-index: {{factory: Flat, shards: 1}}
-train: {{rounds: 0, warmup_epochs: 1, batch_size: 32, lr: 2.0e-3, lr_warmup_steps: 4,
-         torch_threads: 1}}
-ray: {{address: null, num_cpus: 2}}
-seed: 4
-"""
-
-
-def write_corpus(root: Path) -> Path:
-    make_corpus(
-        root, samples=200, samples_per_shard=100, test_samples=0, val_samples=0, image_size=32
-    )
-    return root
-
-
-def write_job(corpus: Path, output: Path) -> Path:
-    job = output.parent / f"{output.name}.yaml"
-    job.write_text(JOB.format(corpus=corpus, output=output))
-    return job
 
 
 def cli(*args: str) -> list[str]:

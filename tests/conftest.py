@@ -34,6 +34,32 @@ def pipeline_run(local_ray, tmp_path_factory) -> dict:
     return run(tmp_path_factory.mktemp("pipeline_run"))
 
 
+@pytest.fixture(scope="session")
+def warmed_run(local_ray, tmp_path_factory) -> dict:
+    """{"corpus", "out"}: the shared job (tests/shared_run.py) run up to its warm-up on the
+    session's local Ray; the rerun and co-teaching tests copy it."""
+    from shared_run import warmed_run as run
+
+    return run(tmp_path_factory.mktemp("warmed_run"))
+
+
+@pytest.fixture(scope="session")
+def cli_reference(tmp_path_factory) -> dict:
+    """{"corpus", "out", "job"}: the shared job run to its end by the CLI in a subprocess, on
+    a Ray of its own (so only `own_ray` tests ask for it): the undisturbed run that the fault
+    tests compare with and the damaged-manifest test starts from."""
+    from cli_job import run_cli
+    from shared_run import write_corpus, write_job
+
+    root = tmp_path_factory.mktemp("cli_reference")
+    corpus = write_corpus(root / "corpus")
+    out = root / "run"
+    job = write_job(corpus, out)
+    done = run_cli("run", str(job), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    return {"corpus": corpus, "out": out, "job": job}
+
+
 def _nvidia_gpus() -> int:
     """GPUs nvidia-smi lists (0 without nvidia-smi): the machine's own answer, not torch's."""
     import shutil

@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from cli_job import invoke_cli
+from shared_run import PAIRS_PER_SHARD, write_corpus, write_job
 
 from pipeline.clients.read import labels_folder
 from pipeline.config import JobConfigError, load_job
@@ -29,35 +30,30 @@ from pipeline.io.shards import ShardReadError, ShardReadStats, iter_shard_record
 from pipeline.run.failures import explain_failure
 from pipeline.run.runner import run_job
 
-JOB = """
-name: broken-shards
-input: {{shards: "{corpus}/*.tar"{extra}}}
-output: {output}
-model: {{name: ncl-tiny, pretrained: null}}
-embed: {{batch_size: 16, gpus_per_worker: 0, cpus_per_worker: 1, decode_threads: 1, concurrency: 1}}
-mixture: {{kind: gmm}}
-labels: {{method: bicro}}
-train: {{warmup_epochs: {warmup}, rounds: 0, batch_size: 16, torch_threads: 1}}
-seed: 5
-"""
-
 HTML = b"<!DOCTYPE html><html><body><h1>503 Service Unavailable</h1></body></html>\n"
 
 
-def _job(tmp: Path, corpus: Path, name: str, extra: str = "", warmup: int = 0):
-    """No warm-up unless asked: only the test of a shard changed during training needs one."""
-    job_file = tmp / f"{name}.yaml"
-    job_file.write_text(JOB.format(corpus=corpus, output=tmp / name, extra=extra, warmup=warmup))
-    return load_job(job_file)
+def _job(tmp: Path, corpus: Path, name: str, *overrides: str, warmup: int = 0):
+    """The shared job on every shard in `corpus` (copies without the ground truth, so no
+    held-out evaluation); no warm-up unless asked: only the test of a shard changed during
+    training needs one."""
+    return load_job(
+        write_job(
+            corpus,
+            tmp / name,
+            f"input.shards={corpus}/*.tar",
+            f"train.warmup_epochs={warmup}",
+            "eval.ground_truth=null",
+            "eval.test_shards=null",
+            *overrides,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
 def clean_corpus(tmp_path_factory) -> Path:
-    from pipeline.data.synthetic import make_corpus
-
-    root = tmp_path_factory.mktemp("broken") / "clean"
-    make_corpus(root, samples=180, samples_per_shard=30, test_samples=0, seed=11, image_size=32)
-    return root
+    """The shared corpus's shards (tests/shared_run.py): 00000-00003, 80 pairs each."""
+    return write_corpus(tmp_path_factory.mktemp("broken") / "clean")
 
 
 def _copy_shards(clean: Path, dest: Path) -> Path:
@@ -96,12 +92,12 @@ def test_max_failed_shards_is_a_count_or_a_fraction(tmp_path):
     corpus = tmp_path / "c"
     corpus.mkdir()
     assert _job(tmp_path, corpus, "a").input.failed_shards_allowed(10) == 1  # 5 %, rounded up
-    job = _job(tmp_path, corpus, "b", ", max_failed_shards: 3")
+    job = _job(tmp_path, corpus, "b", "input.max_failed_shards=3")
     assert job.input.failed_shards_allowed(1000) == 3
-    job = _job(tmp_path, corpus, "c", ", max_failed_shards: 0.1")
+    job = _job(tmp_path, corpus, "c", "input.max_failed_shards=0.1")
     assert job.input.failed_shards_allowed(1000) == 100
     with pytest.raises(JobConfigError, match="max_failed_shards"):
-        _job(tmp_path, corpus, "d", ", max_failed_shards: 1.5")
+        _job(tmp_path, corpus, "d", "input.max_failed_shards=1.5")
 
 
 def test_the_reader_fingerprints_the_bytes_it_read(clean_corpus, tmp_path):
@@ -111,7 +107,7 @@ def test_the_reader_fingerprints_the_bytes_it_read(clean_corpus, tmp_path):
     for path in (plain, packed):
         stats = ShardReadStats()
         keys = [r.key for r in iter_shard_records(str(path), stats)]
-        assert len(keys) == 30 and not stats.error
+        assert len(keys) == PAIRS_PER_SHARD and not stats.error
         data = path.read_bytes()
         assert (stats.size, stats.sha256) == (len(data), hashlib.sha256(data).hexdigest())
     data = packed.read_bytes()
@@ -186,43 +182,43 @@ def test_broken_shards_are_left_out_and_repeated_keys_kept_once(
 
     monkeypatch.setattr(keys_stage, "KEYS_PER_PARTITION", 50)  # several hash partitions
     corpus = _copy_shards(clean_corpus, tmp_path / "corpus")
-    (corpus / "00006.tar").write_bytes(b"")  # an interrupted download
-    (corpus / "00007.tar").write_bytes(HTML)  # an error page saved as a shard
-    packed = gzip.compress((corpus / "00005.tar").read_bytes())
-    (corpus / "00005.tar").write_bytes(packed)  # gzip-compressed, named .tar: valid
-    shutil.copy(corpus / "00002.tar", corpus / "00009.tar")  # two downloads merged
+    (corpus / "00004.tar").write_bytes(b"")  # an interrupted download
+    (corpus / "00005.tar").write_bytes(HTML)  # an error page saved as a shard
+    packed = gzip.compress((corpus / "00003.tar").read_bytes())
+    (corpus / "00003.tar").write_bytes(packed)  # gzip-compressed, named .tar: valid
+    shutil.copy(corpus / "00002.tar", corpus / "00006.tar")  # two downloads merged
 
-    # Two of nine shards fail: more than the default 5 % allows -> stop after the embed pass,
+    # Two of seven shards fail: more than the default 5 % allows -> stop after the embed pass,
     # with exit status 3 (run through the command line).
     _job(tmp_path, corpus, "run")
     code, shown = invoke_cli("run", str(tmp_path / "run.yaml"))
     assert code == 3, shown[-3000:]
-    assert "error: 2 of 9 shards could not be read" in shown
-    assert "00006.tar" in shown and "00007.tar" in shown
+    assert "error: 2 of 7 shards could not be read" in shown
+    assert "00004.tar" in shown and "00005.tar" in shown
     assert not (tmp_path / "run" / "labels").exists()
-    assert (tmp_path / "run" / "rounds" / "0" / "embeddings" / "00009.parquet").exists()
+    assert (tmp_path / "run" / "rounds" / "0" / "embeddings" / "00006.parquet").exists()
 
     # Allowed: the same output resumes, retries the two and publishes the other eight.
-    metrics = run_job(_job(tmp_path, corpus, "run", ", max_failed_shards: 2"))
+    metrics = run_job(_job(tmp_path, corpus, "run", "input.max_failed_shards=2"))
     out = tmp_path / "run"
-    for failed in ("00006", "00007"):
+    for failed in ("00004", "00005"):
         rows = pq.read_table(out / "quarantine" / f"{failed}.parquet").to_pylist()
         assert [r["reason"] for r in rows] == ["unreadable_shard"]
     manifest_shards = metrics["shards"]
-    assert sorted(f["shard"] for f in manifest_shards["failed"]) == ["00006", "00007"]
-    assert manifest_shards["duplicate_keys"] == {"00009": 30}
+    assert sorted(f["shard"] for f in manifest_shards["failed"]) == ["00004", "00005"]
+    assert manifest_shards["duplicate_keys"] == {"00006": PAIRS_PER_SHARD}
 
-    copied = pq.read_table(out / "quarantine" / "00009.parquet").to_pylist()
-    assert len(copied) == 30 and {r["reason"] for r in copied} == {"duplicate_key"}
+    copied = pq.read_table(out / "quarantine" / "00006.parquet").to_pylist()
+    assert len(copied) == PAIRS_PER_SHARD and {r["reason"] for r in copied} == {"duplicate_key"}
     assert all("'00002'" in r["detail"] for r in copied)
     readable = {
         p.stem: _sample_keys(p)
         for p in sorted(corpus.glob("*.tar"))
-        if p.stem not in ("00006", "00007")
+        if p.stem not in ("00004", "00005")
     }
-    assert len(readable["00005"]) == 30
+    assert len(readable["00003"]) == PAIRS_PER_SHARD
     _account(out, readable)
-    assert pq.read_metadata(_published(out) / "00009.parquet").num_rows == 0
+    assert pq.read_metadata(_published(out) / "00006.parquet").num_rows == 0
 
 
 @pytest.mark.ray
@@ -246,7 +242,7 @@ def test_a_shard_deleted_after_the_embed_pass_is_reported_not_mixed(
     changed = metrics["shards"]["changed"]
     assert [c["shard"] for c in changed] == ["00003"] and "disappeared" in changed[0]["error"]
     readable = {p.stem: _sample_keys(p) for p in sorted(corpus.glob("*.tar"))}
-    assert "00003" not in readable and len(readable) == 5
+    assert "00003" not in readable and len(readable) == 3
     _account(out, readable)
     with pytest.raises(ShardReadError):
         list(iter_shard_records(str(tmp_path / "corpus" / "00003.tar")))

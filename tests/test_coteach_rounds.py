@@ -15,61 +15,37 @@ import pyarrow.parquet as pq
 import pytest
 from label_fixtures import table_quality
 from log_capture import console_output
+from shared_run import PAIRS_PER_SHARD, SHARDS, copy_run, load
 
 from pipeline.clients.read import read_labels
-from pipeline.config import load_job
 from pipeline.io.layout import BASELINE_SUMMARY, RunLayout
 from pipeline.run.runner import resolve_inputs, run_job
 from pipeline.run.specs import coteach_spec
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-JOB = """
-name: coteach-test
-input: {{shards: "{corpus}/{{00000..00002}}.tar"}}
-output: {output}
-model: {{name: ncl-tiny, pretrained: null}}
-embed: {{batch_size: 64, gpus_per_worker: 0, cpus_per_worker: 1, decode_threads: 2, concurrency: 1}}
-mixture: {{kind: gmm}}
-labels: {{method: {method}, sps: {{eps1: 0.9, beta: 0.0}}}}
-train:
-  mode: {mode}
-  rounds: 1
-  warmup_epochs: 1
-  epochs_per_round: 2
-  batch_size: 32
-  lr: 2.0e-3
-  lr_warmup_steps: 10
-  weight_decay: 0.1
-  torch_threads: 1
-  sps: {{quasi_start: 0.0, noisy_start: 0.5}}
-  report_to: tensorboard
-eval: {{ground_truth: {corpus}/ground_truth.parquet, test_shards: {corpus}/test/00000.tar}}
-seed: 3
-"""
+SPS_ROUND = (
+    "labels.method=sps",
+    "labels.sps.eps1=0.9",
+    "labels.sps.beta=0.0",
+    "train.rounds=1",
+    "train.epochs_per_round=2",
+    "train.sps.quasi_start=0.0",
+    "train.sps.noisy_start=0.5",
+    "train.report_to=tensorboard",
+)
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    from pipeline.data.synthetic import make_corpus
-
-    root = tmp_path_factory.mktemp("coteach") / "demo"
-    make_corpus(
-        root, samples=360, noise=0.4, partial=0.1, seed=7, samples_per_shard=120, test_samples=60
-    )
-    return root
-
-
-def _job(corpus: Path, out: Path, method: str = "sps", mode: str = "coteach"):
-    job_file = out.parent / f"{out.name}.yaml"
-    job_file.write_text(JOB.format(corpus=corpus, output=out, method=method, mode=mode))
-    return load_job(job_file)
+def corpus(warmed_run) -> Path:
+    return warmed_run["corpus"]
 
 
 @pytest.fixture(scope="module")
-def sps_run(local_ray, corpus, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("sps_run") / "run"
-    job = _job(corpus, out)
+def sps_run(warmed_run, corpus, tmp_path_factory) -> dict:
+    """The session's shared warmed run, continued by a co-teaching round of SPS."""
+    out = copy_run(warmed_run["out"], tmp_path_factory.mktemp("sps_run") / "run")
+    job = load(corpus, out, *SPS_ROUND)
     with console_output() as lines:
         metrics = run_job(job)
     return {"job": job, "out": out, "metrics": metrics, "log": "\n".join(lines)}
@@ -80,7 +56,7 @@ def test_each_round_writes_both_views_tables_and_trains(sps_run):
     rounds = metrics["rounds"]
     for r in ("1", "2"):  # round 1 trains; round 2 labels the final models
         for view in ("a", "b"):
-            assert len(list((out / "rounds" / r / f"labels_{view}").glob("*.parquet"))) == 3
+            assert len(list((out / "rounds" / r / f"labels_{view}").glob("*.parquet"))) == SHARDS
             reported = rounds[r][f"labels_{view}"]["quality"]["sps"]["auroc"]
             table = read_labels(out / "rounds" / r / f"labels_{view}").to_table()
             truth = sps_run["job"].eval.ground_truth
@@ -154,7 +130,7 @@ def test_published_labels_are_the_mean_of_the_final_round_views(sps_run):
         .sort_by([("shard", "ascending"), ("key", "ascending")])
         for v in ("a", "b")
     ]
-    assert final.num_rows == views[0].num_rows == 360
+    assert final.num_rows == views[0].num_rows == PAIRS_PER_SHARD * SHARDS
     expected = 0.5 * (
         views[0].column("soft_label").to_numpy() + views[1].column("soft_label").to_numpy()
     )
@@ -185,7 +161,7 @@ def _one_round_after(sps_run: dict, out: Path, mode: str, **train):
 
 
 def test_vanilla_and_oracle_use_the_same_trainer(sps_run, corpus, tmp_path):
-    vanilla = _job(corpus, tmp_path / "vanilla", method="bicro", mode="vanilla")
+    vanilla = load(corpus, tmp_path / "vanilla", "train.mode=vanilla", "train.rounds=1")
     spec = coteach_spec(vanilla, RunLayout(vanilla.output), resolve_inputs(vanilla), 1, {})
     assert all(v.labels_dir is None and v.target == "weights" for v in spec.views)
 
@@ -197,6 +173,7 @@ def test_vanilla_and_oracle_use_the_same_trainer(sps_run, corpus, tmp_path):
     layout = RunLayout(oracle.output)
     truth = pq.read_table(corpus / "ground_truth.parquet", columns=["key", "kind"])
     clean = {k for k, kind in zip(*truth.to_pydict().values(), strict=True) if kind == "clean"}
+    clean &= set(pq.read_table(Path(layout.round_dir(0), "embeddings")).column("key").to_pylist())
     written = set()
     for path in Path(layout.baseline_dir(1, "oracle")).glob("*.parquet"):
         written |= set(pq.read_table(path).column("key").to_pylist())

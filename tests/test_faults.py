@@ -31,53 +31,22 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from shared_run import PAIRS_PER_SHARD, SHARDS, write_job
 
 from pipeline.clients.read import read_labels
-from pipeline.data.synthetic import make_corpus
 
-# A test's budget covers the module's reference run too (the first test sets it up).
+# A test's budget covers the session's reference run too (the first test sets it up).
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.own_ray, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[1]
-SHARDS = 3
-
-JOB = """
-name: faults
-input: {{shards: "{corpus}/{{00000..0000{last}}}.tar"}}
-output: {output}
-model: {{name: ncl-tiny, pretrained: null}}
-embed: {{batch_size: 32, gpus_per_worker: 0, cpus_per_worker: 1, decode_threads: 1, concurrency: 1}}
-mixture: {{kind: gmm}}
-labels: {{method: bicro}}
-index: {{factory: Flat, shards: 2}}
-train:
-  rounds: 0
-  warmup_epochs: 1
-  epochs_per_round: 1
-  batch_size: 32
-  lr: 2.0e-3
-  lr_warmup_steps: 4
-  weight_decay: 0.1
-  torch_threads: 1
-  checkpoint_every_steps: 2
-ray: {{address: {address}, num_cpus: 2}}
-seed: 4
-"""
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("faults") / "corpus"
-    make_corpus(
-        root, samples=80 * SHARDS, samples_per_shard=80, test_samples=0, image_size=32, seed=11
-    )
-    return root
+def corpus(cli_reference) -> Path:
+    return cli_reference["corpus"]
 
 
 def _start(corpus: Path, output: Path, address: str | None) -> subprocess.Popen:
-    job = output.parent / f"{output.name}.yaml"
-    job.write_text(
-        JOB.format(corpus=corpus, output=output, last=SHARDS - 1, address=address or "null")
-    )
+    job = write_job(corpus, output, f"ray.address={address or 'null'}")
     log = (output.parent / f"{output.name}.log").open("a")
     return subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "run", str(job)],
@@ -115,21 +84,16 @@ def _labels(output: Path) -> pa.Table:
     return table.sort_by("key")
 
 
-def _run(corpus: Path, output: Path, address: str | None) -> pa.Table:
-    _finish(_start(corpus, output, address), output)
-    return _labels(output)
-
-
 def _assert_same_labels(got: pa.Table, want: pa.Table) -> None:
-    assert got.num_rows == want.num_rows == 80 * SHARDS
+    assert got.num_rows == want.num_rows == PAIRS_PER_SHARD * SHARDS
     assert len(set(got.column("key").to_pylist())) == got.num_rows  # no key twice
     assert got.equals(want), "labels differ from the undisturbed one-node run"
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory) -> pa.Table:
-    """The undisturbed run on one node (the driver's own local Ray)."""
-    return _run(corpus, tmp_path_factory.mktemp("reference") / "run", None)
+def reference(cli_reference) -> pa.Table:
+    """The undisturbed run on one node (the driver's own local Ray): the shared job's."""
+    return _labels(cli_reference["out"])
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from cli_job import run_cli, start_cli, wait_for_line, write_corpus, write_job
+from cli_job import run_cli, start_cli, wait_for_line
+from shared_run import SHARDS, write_corpus, write_job
 
 from pipeline.clients.read import labels_folder
 from pipeline.errors import RunInterrupted
@@ -100,7 +101,7 @@ def test_sigterm_in_the_embed_pass_then_ctrl_c_in_the_warm_up_and_a_rerun_finish
     assert rerun.returncode == 0, rerun.stdout[-3000:]
     assert "taking over the lease" in rerun.stdout and "stopped heartbeating" in rerun.stdout
     assert "round0/embed: reused" in rerun.stdout
-    assert len(list(Path(labels_folder(output)[1]).glob("*.parquet"))) == 2
+    assert len(list(Path(labels_folder(output)[1]).glob("*.parquet"))) == SHARDS
     assert not (output / "_lease.json").exists()
 
 
@@ -110,14 +111,13 @@ def test_a_live_run_is_shown_running_refuses_a_second_and_stops_in_a_label_pass(
     second run is refused in seconds naming it; Ctrl-C in its label pass exits 130."""
     corpus = write_corpus(tmp_path / "corpus")
     output = tmp_path / "run"
-    job = write_job(corpus, output)
-    job.write_text(job.read_text().replace("warmup_epochs: 1", "warmup_epochs: 0"))
+    job = write_job(corpus, output, "train.warmup_epochs=0")
     log = tmp_path / "first.log"
     proc = start_cli(log, "run", str(job))
     try:
         wait_for_line(proc, log, "round0/embed: recomputed")
         status = run_cli("status", str(output), timeout=120)
-        assert f"running now: job 'guards', host {socket.gethostname()}" in status.stdout
+        assert f"running now: job 'shared', host {socket.gethostname()}" in status.stdout
         assert f"pid {proc.pid}" in status.stdout, status.stdout
         started = time.monotonic()
         second = run_cli("run", str(job), timeout=120)

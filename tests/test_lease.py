@@ -10,7 +10,8 @@ import subprocess
 import time
 
 import pytest
-from cli_job import run_cli, write_corpus, write_job
+from cli_job import run_cli
+from shared_run import write_corpus, write_job
 
 from pipeline.io.layout import RunLayout
 from pipeline.run.lease import (
@@ -31,7 +32,7 @@ def _plant(output, pid: int, heartbeat: float, host: str | None = None) -> None:
                 "started_at": "2030-01-01T00:00:00+00:00",
                 "heartbeat": heartbeat,
                 "token": "other",
-                "job_name": "guards",
+                "job_name": "shared",
             }
         )
     )
@@ -82,4 +83,4 @@ def test_the_cli_refuses_an_output_in_use_in_seconds(tmp_path):
     status = run_cli("status", str(output), timeout=120)
     assert status.returncode == 0, status.stdout
     assert "starting, no stage has run yet" in status.stdout
-    assert f"running now: job 'guards', host {socket.gethostname()}" in status.stdout
+    assert f"running now: job 'shared', host {socket.gethostname()}" in status.stdout

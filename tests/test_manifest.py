@@ -9,7 +9,8 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-from cli_job import run_cli, write_corpus, write_job
+from cli_job import run_cli
+from shared_run import copy_run, write_job
 
 from pipeline.config import load_job
 from pipeline.io.layout import RunLayout
@@ -46,12 +47,15 @@ def test_read_manifest_keeps_a_damaged_file_aside_only_when_asked(tmp_path, capl
 @pytest.mark.slow
 @pytest.mark.own_ray
 @pytest.mark.timeout(900)
-def test_a_truncated_or_garbage_manifest_is_rebuilt_and_every_finished_stage_reused(tmp_path):
-    """One real run, then its manifest cut to a third (as by a full disk) and later garbage:
-    `status` (with and without the job) and `run` each warn once and read the stage records
-    rebuilt from the outputs; `status` changes nothing, `run` keeps the damaged file aside."""
-    corpus = write_corpus(tmp_path / "corpus")
-    output = tmp_path / "run"
+def test_a_truncated_or_garbage_manifest_is_rebuilt_and_every_finished_stage_reused(
+    cli_reference, tmp_path
+):
+    """One real run (the shared reference run and a co-teaching round more), then its manifest
+    cut to a third (as by a full disk) and later garbage: `status` (with and without the job)
+    and `run` each warn once and read the stage records rebuilt from the outputs; `status`
+    changes nothing, `run` keeps the damaged file aside."""
+    corpus = cli_reference["corpus"]
+    output = copy_run(cli_reference["out"], tmp_path / "run")
     job = write_job(corpus, output)
     # Every stage of the job with ONE_ROUND: each kind of stage summary.
     every_stage = [n.name for n in stage_graph(load_job(job, list(ONE_ROUND[1::2])))]

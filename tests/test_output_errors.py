@@ -8,7 +8,7 @@ from __future__ import annotations
 import errno
 
 import pytest
-from cli_job import write_corpus
+from shared_run import write_corpus
 
 from pipeline.config import load_job
 from pipeline.io.shards import ShardReadError
@@ -64,21 +64,21 @@ def test_the_shard_advice_only_when_a_shard_is_at_fault(tmp_path):
 def test_the_preflight_warns_below_the_estimate(tmp_path, caplog, monkeypatch):
     corpus = write_corpus(tmp_path / "corpus")
     shards = [str(corpus / "00000.tar"), str(corpus / "00001.tar")]
-    assert space.count_pairs(shards) == 200  # from the img2dataset _stats.json files
+    assert space.count_pairs(shards) == 160  # from the img2dataset _stats.json files
     job = load_job(
         "jobs/demo.yaml", [f"output={tmp_path / 'run'}", f"input.shards={corpus}/0000[01].tar"]
     )
     layout = runner.RunLayout(job.output)
-    need = space.estimate_output_bytes(job, 200)
-    assert need == 200 * (2_300 + 3 * 4_400 + 3 * 2 * 1_300 + 300)  # rounds 1..3, two views
+    need = space.estimate_output_bytes(job, 160)
+    assert need == 160 * (2_300 + 3 * 4_400 + 3 * 2 * 1_300 + 300)  # rounds 1..3, two views
     with caplog.at_level("WARNING", logger="pipeline"):
         space.check_output_space(job, layout, shards, {})
         assert "estimated to write" not in caplog.text  # this disk has more than ~5 MB free
         monkeypatch.setattr(space, "free_bytes", lambda output: need - 1)
         space.check_output_space(job, layout, shards, {})
-    assert "estimated to write 4.7 MB more" in caplog.text and "200 pairs at" in caplog.text
+    assert "estimated to write 3.8 MB more" in caplog.text and "160 pairs at" in caplog.text
     done = {"round0/embed": {"status": "done"}}
-    assert space.estimate_output_bytes(job, 200, done) == need - 200 * 2_300
+    assert space.estimate_output_bytes(job, 160, done) == need - 160 * 2_300
 
 
 @pytest.mark.ray
@@ -101,6 +101,6 @@ def test_enospc_in_a_stage_is_one_sentence_with_the_estimate(local_ray, tmp_path
         runner.run_job(job)
     message = str(failed.value)
     assert message.startswith(f"{STAGE} failed: the output's filesystem is full")
-    assert "The stages still to run need about 4.7 MB more (200 pairs at" in message
+    assert "The stages still to run need about 3.8 MB more (160 pairs at" in message
     assert "rerun the same command" in message and SHARD_ADVICE not in message
     assert not (tmp_path / "run" / "_lease.json").exists()

@@ -1,61 +1,34 @@
 """Reruns into an existing run directory (issue 11): one run state decides, per stage, what is
 reused and what is recomputed, and a changed configuration never publishes stale labels.
 
-One first run (module fixture) is copied for each rerun case; the reruns are real runs on the
-session's local Ray."""
+One first run (module fixture: the session's shared warmed run, labelled and published) is
+copied for each rerun case; the reruns are real runs on the session's local Ray."""
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 from log_capture import console_output
+from shared_run import PAIRS_PER_SHARD, SHARDS, copy_run, load, shard_pattern, write_job
 
 from pipeline.clients.read import labels_folder
-from pipeline.config import load_job
 from pipeline.run.runner import RunConflictError, run_job
 from pipeline.run.status import predict_rerun
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-JOB = """
-name: rerun-test
-input: {{shards: "{corpus}/{{00000..{last}}}.tar"}}
-output: {output}
-model: {{name: ncl-tiny, pretrained: null}}
-embed: {{batch_size: 16, gpus_per_worker: 0, cpus_per_worker: 1, decode_threads: 1, concurrency: 1}}
-mixture: {{kind: gmm, bins: 64}}
-labels: {{method: bicro}}
-train: {{rounds: 0, warmup_epochs: 1, batch_size: 16, lr: 1.0e-3, torch_threads: 1}}
-seed: 2
-"""
-
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    from pipeline.data.synthetic import make_corpus
-
-    root = tmp_path_factory.mktemp("rerun") / "corpus"
-    make_corpus(
-        root,
-        samples=128,
-        samples_per_shard=32,
-        test_samples=0,
-        val_samples=0,
-        seed=4,
-        image_size=32,
-    )
-    return root
+def corpus(warmed_run) -> Path:
+    return warmed_run["corpus"]
 
 
-def _job(corpus: Path, out: Path, overrides=(), shards: int = 3):
-    job_file = out.parent / f"{out.name}.yaml"
-    job_file.write_text(JOB.format(corpus=corpus, output=out, last=f"{shards - 1:05d}"))
-    return load_job(job_file, list(overrides))
+def _job(corpus: Path, out: Path, overrides=(), shards: int = SHARDS):
+    return load(corpus, out, f"input.shards={shard_pattern(corpus, shards)}", *overrides)
 
 
 def _run(job) -> tuple[dict, dict[str, str]]:
@@ -76,16 +49,16 @@ def _run(job) -> tuple[dict, dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def first(local_ray, corpus, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("first") / "run"
+def first(warmed_run, corpus, tmp_path_factory) -> Path:
+    """The shared warmed run, labelled and published by the shared job (its embed pass and
+    warm-up reused)."""
+    out = copy_run(warmed_run["out"], tmp_path_factory.mktemp("first") / "run")
     _run(_job(corpus, out))
     return out
 
 
 def _copy(first: Path, tmp_path: Path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(first, out)
-    return out
+    return copy_run(first, tmp_path / "run")
 
 
 def _labels(out: Path) -> dict[str, list]:
@@ -119,7 +92,7 @@ def test_unchanged_rerun_reuses_every_stage(first, corpus, tmp_path):
     assert _labels(out) == _labels(first)
     # The reused stages' summaries fill metrics.json as a fresh run would.
     assert metrics["rounds"]["0"]["train"]["views"]["A"]["history"]
-    assert metrics["labels"]["samples"] == 96
+    assert metrics["labels"]["samples"] == PAIRS_PER_SHARD * SHARDS
     manifest = json.loads((out / "manifest.json").read_text())
     assert {manifest["stages"][s]["status"] for s in ALL} == {"done"}
 
@@ -155,7 +128,10 @@ def test_changed_label_method_keeps_the_warm_up(first, corpus, tmp_path):
     )
     assert (out / "rounds" / "0" / "checkpoints" / "A" / "model.pt").stat().st_mtime_ns == warm
     table = pq.read_table(labels_folder(out)[1])
-    assert table.column("rcr").null_count == 0 and table.column("bicro").null_count == 96
+    assert (
+        table.column("rcr").null_count == 0
+        and table.column("bicro").null_count == PAIRS_PER_SHARD * SHARDS
+    )
 
 
 def test_an_added_shard_is_embedded_alone_then_everything_global_recomputed(
@@ -163,11 +139,11 @@ def test_an_added_shard_is_embedded_alone_then_everything_global_recomputed(
 ):
     out = _copy(first, tmp_path)
     round0 = _mtimes(out / "rounds" / "0" / "embeddings")
-    metrics, said = _run(_job(corpus, out, shards=4))
+    metrics, said = _run(_job(corpus, out, shards=SHARDS + 1))
     assert said["round0/embed"] == (
         "recomputed because input shards changed (no embeddings yet: 00003)"
     )
-    assert metrics["rounds"]["0"]["embed"]["embedded"] == 32  # the new shard only
+    assert metrics["rounds"]["0"]["embed"]["embedded"] == PAIRS_PER_SHARD  # the new shard only
     after = _mtimes(out / "rounds" / "0" / "embeddings")
     assert {k: v for k, v in after.items() if k != "00003.parquet"} == round0
     assert said["round0/keys"] == (
@@ -176,12 +152,12 @@ def test_an_added_shard_is_embedded_alone_then_everything_global_recomputed(
     assert "input shards changed" in said["round0/warmup"]
     for stage in ALL[1:]:
         assert said[stage].startswith("recomputed because"), stage
-    assert len(_labels(out)["key"]) == 128
+    assert len(_labels(out)["key"]) == PAIRS_PER_SHARD * (SHARDS + 1)
 
 
 def test_another_job_name_is_refused(first, corpus, tmp_path):
     out = _copy(first, tmp_path)
-    with pytest.raises(RunConflictError, match="holds the results of job 'rerun-test'"):
+    with pytest.raises(RunConflictError, match="holds the results of job 'shared'"):
         run_job(_job(corpus, out, ["name=other"]))
 
 
@@ -199,8 +175,7 @@ def test_status_shows_stages_times_and_what_a_rerun_would_do(first, corpus, tmp_
     for stage in ALL[:-1]:
         assert re.search(rf"{stage}\s+done\s+20\d\d-.*\d+\.\ds\s+reused$", rows[stage])
     assert "quarantine: " in shown.output
-    job_file = out.parent / "changed.yaml"
-    job_file.write_text(JOB.format(corpus=corpus, output=out, last="00002"))
+    job_file = write_job(corpus, out, name="changed.yaml")
     asked = cli.invoke(
         app, ["status", str(out), "--job", str(job_file), "--set", "train.lr=5.0e-4"]
     )
