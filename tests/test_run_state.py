@@ -42,7 +42,12 @@ def test_each_stage_hashes_exactly_the_keys_it_depends_on():
     embed = stage_config(job, "embed")
     assert "embed.batch_size" in embed and "model.name" in embed and "seed" in embed
     assert "embed.loss_permutations" in embed  # the losses, hence every later stage, change
-    assert "embed.decode" in embed  # the device decode's pixels differ from PIL's slightly
+    # embed.decode auto, resolved: the device decode's pixels differ from PIL's slightly, so
+    # a job moved between GPU and CPU workers embeds again.
+    assert embed["embed.decode"] == "device"  # the default: a GPU per embed worker
+    on_cpus = stage_config(_job(embed={"gpus_per_worker": 0}), "embed")
+    assert on_cpus["embed.decode"] == "cpu"
+    assert stage_config(_job(embed={"gpus_per_worker": 0, "decode": "cpu"}), "embed") == on_cpus
     # Resources, speed-only knobs and the shard list (decided per shard) are not part of it.
     assert not {"embed.concurrency", "embed.decode_threads", "input.shards"} & set(embed)
     assert "embed.forward_batch_size" not in embed  # rounding only (tests/test_embed_decode.py)

@@ -212,6 +212,14 @@ class EmbedConfig(_Section):
             raise ValueError("must be >= 1 or 'auto'")
         return value
 
+    def decode_where(self) -> Literal["cpu", "device"]:
+        """Where `decode` decodes for this job: `auto` is the device when each embed worker
+        holds a GPU (Ray hides every GPU from a worker that asks for none), else the CPU. The
+        embed pass's key holds this, not "auto": the two decodes' pixels differ."""
+        if self.decode == "auto":
+            return "device" if self.gpus_per_worker > 0 else "cpu"
+        return self.decode
+
 
 class MixtureConfig(_Section):
     kind: Literal["bmm", "gmm"] = Field("bmm", description="Mixture fitted on per-sample losses.")

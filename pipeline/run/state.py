@@ -133,6 +133,7 @@ def stage_config(job, kind: str) -> dict[str, Any]:
     sources = flat.pop("input.sources", None)
     if sources:
         flat["input.sources"] = [source["name"] for source in sources]
+    flat["embed.decode"] = job.embed.decode_where()  # a job moved to GPUs re-embeds
     return {
         key: value
         for key, value in sorted(flat.items())
