@@ -184,20 +184,30 @@ def test_labels_do_not_depend_on_index_stores_or_shards():
         np.testing.assert_array_equal(values, other.labels.proxies[name])
 
 
-def test_assign_block_equals_a_per_query_reference():
-    """The batched block gives the dense reference's |P| pi_ii for each query alone."""
+@pytest.mark.parametrize("score", ["share", "relative"])
+def test_assign_block_equals_a_per_query_reference(score):
+    """The batched block gives, for each query alone, the dense reference's |P| pi_ii (share)
+    or pi_ii over the largest real entry of its row and column (relative)."""
     rng = np.random.default_rng(6)
     u_p = _unit(rng.standard_normal((3, 5, 4)))
     v_p = _unit(rng.standard_normal((3, 5, 4)))
     valid = np.array([[1, 1, 1, 1, 1], [1, 1, 0, 1, 0], [0, 1, 1, 0, 0]], dtype=bool)
     position = np.array([2, 3, 1])
-    out = assign_block(u_p, v_p, valid, position, logit_scale=10.0, mass=0.7, iterations=25)
+    out = assign_block(
+        u_p, v_p, valid, position, logit_scale=10.0, mass=0.7, iterations=25, score=score
+    )
+    assert out["assign"].shape == (3,)
     for q in range(3):
         keep = np.flatnonzero(valid[q])
         logits = 10.0 * u_p[q][keep].astype(np.float64) @ v_p[q][keep].T.astype(np.float64)
         plan = _dense_partial_ot(logits, 0.7, 1.0, 25)
         own = int(np.flatnonzero(keep == position[q])[0])
-        assert out["assign"][q] == pytest.approx(min(1.0, keep.size * plan[own, own]), rel=1e-6)
+        n = keep.size
+        if score == "share":
+            want = min(1.0, n * plan[own, own])
+        else:
+            want = plan[own, own] / max(plan[own, :n].max(), plan[:n, own].max())
+        assert out["assign"][q] == pytest.approx(want, rel=1e-6)
 
 
 def test_planted_page_swap_ranks_below_its_true_pair():

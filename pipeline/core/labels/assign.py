@@ -214,9 +214,8 @@ def assign_block(
     elif score == "relative":
         # Own entry over the largest real entry of its row or column: 1 when the pair's own
         # partner receives the most mass both ways (the OT form of the contextual margin).
-        real = valid[:, None, :]
-        row_max = np.where(real, plan[rows, position, :m_pad], 0.0).max(axis=1)
-        col_max = np.where(real, plan[rows, :m_pad, position], 0.0).max(axis=1)
+        row_max = np.where(valid, plan[rows, position, :m_pad], 0.0).max(axis=1)  # (Q,)
+        col_max = np.where(valid, plan[rows, :m_pad, position], 0.0).max(axis=1)
         best = np.maximum(row_max, col_max)
         value = np.divide(own, best, out=np.zeros(q), where=best > 0)
     else:
