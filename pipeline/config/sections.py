@@ -326,9 +326,10 @@ class AssignLabelsConfig(_Section):
         50, ge=1, le=10_000, description="Sinkhorn iterations, fixed (no tolerance: deterministic)."
     )
     score: Literal["share", "relative"] = Field(
-        "share",
-        description="a = |P| pi_ii (share of the pair's mass kept on its partner) or pi_ii over "
-        "the largest entry of its row and column (1 when its partner wins both ways).",
+        "relative",
+        description="a = pi_ii over the largest entry of its row and column (1 when its partner "
+        "wins both ways) or |P| pi_ii (share of the pair's mass kept on its partner; poorly "
+        "calibrated: small for every pair when the model's logits are flat).",
     )
     label: Literal["min", "fused"] = Field(
         "min",

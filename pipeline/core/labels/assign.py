@@ -180,7 +180,7 @@ def assign_block(
     epsilon: float = 1.0,
     iterations: int = 50,
     rematch: np.ndarray | None = None,
-    score: str = "share",
+    score: str = "relative",
 ) -> dict[str, np.ndarray]:
     """Assignment scores of a block of queries from their candidates' embeddings.
 
