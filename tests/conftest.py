@@ -48,16 +48,9 @@ def cli_reference(tmp_path_factory) -> dict:
     """{"corpus", "out", "job"}: the shared job run to its end by the CLI in a subprocess, on
     a Ray of its own (so only `own_ray` tests ask for it): the undisturbed run that the fault
     tests compare with and the damaged-manifest test starts from."""
-    from cli_job import run_cli
-    from shared_run import write_corpus, write_job
+    from shared_run import cli_reference as run
 
-    root = tmp_path_factory.mktemp("cli_reference")
-    corpus = write_corpus(root / "corpus")
-    out = root / "run"
-    job = write_job(corpus, out)
-    done = run_cli("run", str(job), timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:]
-    return {"corpus": corpus, "out": out, "job": job}
+    return run(tmp_path_factory.mktemp("cli_reference"))
 
 
 def _nvidia_gpus() -> int:

@@ -69,17 +69,12 @@ def shard_pattern(corpus: Path, shards: int = SHARDS) -> str:
 
 
 def write_job(corpus: Path, output: Path, *overrides: str, name: str | None = None) -> Path:
-    """The job file `<output>.yaml` (or `name` beside `output`); overrides `a.b=value` (the
-    value read as YAML), applied in order."""
+    """The job file `<output>.yaml` (or `name` beside `output`), with `a.b=value` overrides
+    applied as `--set` applies them (`pipeline.config.with_overrides`)."""
+    from pipeline.config import with_overrides
+
     text = JOB.replace("CORPUS", str(corpus)).replace("OUTPUT", str(output))
-    job = yaml.safe_load(text)
-    for override in overrides:
-        dotted, value = override.split("=", 1)
-        *parents, leaf = dotted.split(".")
-        section = job
-        for part in parents:
-            section = section.setdefault(part, {})
-        section[leaf] = yaml.safe_load(value)
+    job = with_overrides(yaml.safe_load(text), list(overrides))
     path = output.parent / (name or f"{output.name}.yaml")
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
@@ -102,6 +97,18 @@ def warmed_run(root: Path) -> dict:
     # warm-up's scalars from the copy it continues.
     run_job(load(corpus, out, "train.report_to=tensorboard"), until="round0/warmup")
     return {"corpus": corpus, "out": out}
+
+
+def cli_reference(root: Path) -> dict:
+    """{"corpus", "out", "job"}: the shared job run to its end by the CLI (a Ray of its own)."""
+    from cli_job import run_cli
+
+    corpus = write_corpus(root / "corpus")
+    out = root / "run"
+    job = write_job(corpus, out)
+    done = run_cli("run", str(job), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    return {"corpus": corpus, "out": out, "job": job}
 
 
 def copy_run(source: Path, target: Path) -> Path:

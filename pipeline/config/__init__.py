@@ -57,6 +57,7 @@ __all__ = [
     "parse_overrides",
     "resources_only_fields",
     "result_fields",
+    "with_overrides",
 ]
 
 
@@ -201,6 +202,11 @@ def parse_overrides(overrides: list[str] | None) -> dict[str, Any]:
     return nested
 
 
+def with_overrides(raw: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
+    """A job's raw mapping with `dotted.key=value` overrides applied, as `load_job` does."""
+    return _merge(raw, parse_overrides(overrides))
+
+
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     merged = dict(base)
     for key, value in extra.items():
@@ -310,7 +316,7 @@ def load_job(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
         raise JobConfigError(
             f"job file '{path}' must be a YAML mapping of sections (name, input, ...)"
         )
-    merged = _merge(raw, parse_overrides(overrides))
+    merged = with_overrides(raw, overrides)
     try:
         return JobConfig.model_validate(merged)
     except ValidationError as exc:
