@@ -8,7 +8,9 @@
    wall seconds of the whole `run_training` call, start-up included) against the plain
    loop's. With
    `--throughput-only` the vanilla round also runs on Ray Train (one worker, as before the
-   trainer ran a single worker in one Ray task): both engines and the plain loop in one run.
+   trainer ran a single worker in one Ray task) and without the pixel cache
+   (`train.pixel_cache_gb: 0`, every epoch decodes): each beside the plain loop in one run.
+   Every round starts with an empty pixel cache of its own.
 2. Retrieval rSum on the clean test split after training the demo model on the demo corpus at
    40% noise, same epochs: warm-up as configured in jobs/demo.yaml (BiCro-style selection once
    off the plateau), vanilla (all pairs, no selection) and oracle (ground-truth clean pairs only,
@@ -119,9 +121,13 @@ def oracle_labels(corpus, out_dir: Path) -> str:
     return str(out_dir)
 
 
-def train_config(batch: int, lr: float, epochs: int, select: bool) -> TrainConfig:
+def train_config(
+    batch: int, lr: float, epochs: int, select: bool, cache_dir: str, cache_gb: float = 20.0
+) -> TrainConfig:
     return TrainConfig.model_validate(
         {
+            "pixel_cache_dir": cache_dir,  # the run's own: its first epoch starts cold
+            "pixel_cache_gb": cache_gb,
             "batch_size": batch,
             "lr": lr,
             "weight_decay": 0.1,
@@ -186,19 +192,21 @@ def main() -> None:
 
         # The plain loop runs before the trainer's rounds and after them: on a shared machine the
         # load moves between phases, and its rates on both sides bracket the rounds'.
-        train = train_config(args.batch, args.lr, args.epochs, select=False)
+        train = train_config(args.batch, args.lr, args.epochs, False, f"{tmp}/pixels")
         pairs = decoded_pairs(corpus.shards, spec)
         plain_epochs = min(args.epochs, 3)
         load_before = os.getloadavg()[0]
         plain_before = plain_loop_rates(pairs, spec, train, plain_epochs)
         results, seconds = {}, {}
-        runs = [("vanilla", "warmup", False, None)]
+        runs = [("vanilla", "warmup", False, None)]  # (name, round kind, selection, labels)
         if not args.throughput_only:
             runs.append(("warmup_select", "warmup", True, None))
             runs.append(("oracle", "labels", False, oracle_labels(corpus, Path(tmp) / "oracle")))
         if args.throughput_only:
             runs.append(("vanilla_ray_train", "warmup", False, None))
+            runs.append(("vanilla_no_pixel_cache", "warmup", False, None))
         for name, mode, select, labels in runs:
+            cache_gb = 0.0 if name.endswith("no_pixel_cache") else 20.0
             views = (ViewSpec("A", spec, seed=0, labels_dir=labels),)
             started = time.perf_counter()
             summary = _training_engine(name)(
@@ -208,7 +216,9 @@ def main() -> None:
                     views=views,
                     mode=mode,
                     epochs=args.epochs,
-                    train=train_config(args.batch, args.lr, args.epochs, select),
+                    train=train_config(
+                        args.batch, args.lr, args.epochs, select, f"{tmp}/pixels-{name}", cache_gb
+                    ),
                 ),
             )
             seconds[name] = time.perf_counter() - started
@@ -230,6 +240,7 @@ def main() -> None:
             emit(
                 "train_throughput",
                 engine="ray_train" if name.endswith("ray_train") else "run_training",
+                pixel_cache=not name.endswith("no_pixel_cache"),
                 ours_samples_per_s=round(ours, 1),
                 plain_samples_per_s=round(plain, 1),
                 plain_before=round(statistics.median(plain_before), 1),

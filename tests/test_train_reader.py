@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from test_pixels import SIZES, scene_jpeg
 from pipeline.core.coteach import Phase
 from pipeline.io.admitted import SHARD_BYTES_KEY, SHARD_SHA256_KEY
 from pipeline.io.decode import DecodeOptions
+from pipeline.io.pixel_cache import PixelCache
 from pipeline.models import ModelSpec, load_transforms
 from pipeline.models.encode import normalize_pixels, pixel_spec
 from pipeline.stages.train.data import read_training_batches
@@ -96,3 +98,97 @@ def test_admitted_samples_are_decoded_per_chunk_with_the_same_pixels(shard, tmp_
     seen = _check(admitted, expected)
     assert sorted(seen) == sorted(c for c in expected if c != "caption number 4")
     assert len(seen) == sum(len(b["tokens"]) for b in order_free) - 1
+
+
+# ------------------------------------------------------------------------- the pixel cache
+
+
+def _cached_read(path, cache, admitted_dir=None):
+    view = ViewSpec(name="A", init=MODEL, seed=3)
+    kwargs = dict(model=MODEL, decode=DecodeOptions(), view=view, epoch=1, rows_per_batch=5)
+    return list(
+        read_training_batches(
+            {"path": np.array([path])},
+            phase=Phase(noisy=True, quasi_clean=True),
+            admitted_dir=admitted_dir,
+            pixel_cache=cache,
+            **kwargs,
+        )
+    )
+
+
+def _same_batches(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        for name in x:
+            assert np.array_equal(x[name], y[name]), name
+
+
+def _refuse_decode(_data):
+    raise AssertionError("the reader decoded an image the cache holds")
+
+
+def test_second_read_comes_from_the_cache_bit_for_bit(shard, tmp_path, monkeypatch):
+    path, expected = shard
+    cache = PixelCache(str(tmp_path / "cache"), 10**9)
+    first = _cached_read(path, cache)
+    entries = list((tmp_path / "cache").glob("00000-64px-*.npz"))
+    assert len(entries) == 1
+    _same_batches(first, _read(path))  # the cache changes nothing in the first read
+    monkeypatch.setattr("pipeline.stages.train.data.decode_image", _refuse_decode)
+    second = _cached_read(path, cache)  # the broken sample is known to fail: not decoded
+    _same_batches(first, second)
+    assert sorted(_check(second, expected)) == sorted(expected)
+
+
+def test_admitted_reads_fill_the_cache_after_the_shard(shard, tmp_path, monkeypatch):
+    path, _ = shard
+    data = Path(path).read_bytes()
+    meta = {SHARD_BYTES_KEY: str(len(data)), SHARD_SHA256_KEY: hashlib.sha256(data).hexdigest()}
+    pq.write_table(
+        pa.table({"key": [f"k{i:02d}" for i in range(12)]}).replace_schema_metadata(meta),
+        tmp_path / "00000.parquet",
+    )
+    cache = PixelCache(str(tmp_path / "cache"), 10**9)
+    first = _cached_read(path, cache, admitted_dir=str(tmp_path))
+    monkeypatch.setattr("pipeline.stages.train.data.decode_image", _refuse_decode)
+    _same_batches(first, _cached_read(path, cache, admitted_dir=str(tmp_path)))
+
+
+def test_an_entry_is_for_one_shard_size_and_decoder(tmp_path):
+    cache = PixelCache(str(tmp_path), 10**9)
+    base = cache.path("00000", "ab" * 32, 64, "auto|50000000")
+    assert base.name.startswith("00000-64px-") and base.parent == tmp_path
+    others = [
+        cache.path("00000", "cd" * 32, 64, "auto|50000000"),  # the shard's bytes changed
+        cache.path("00000", "ab" * 32, 224, "auto|50000000"),  # another resolution
+        cache.path("00000", "ab" * 32, 64, "png|50000000"),  # another image member
+    ]
+    assert len({base, *others}) == 4
+
+
+def test_a_broken_entry_is_decoded_again_and_rewritten(shard, tmp_path, caplog):
+    path, _ = shard
+    cache = PixelCache(str(tmp_path), 10**9)
+    first = _cached_read(path, cache)
+    (entry,) = tmp_path.glob("*.npz")
+    entry.write_bytes(entry.read_bytes()[:1000])  # cut, as a full disk or a crash would
+    _same_batches(first, _cached_read(path, cache))
+    assert "does not load" in caplog.text
+    assert cache.load(entry) is not None
+
+
+def test_the_budget_evicts_the_least_recently_used(tmp_path):
+    one = {"k": np.zeros((3, 64, 64), np.uint8)}  # 12,288 bytes
+    cache = PixelCache(str(tmp_path), 30_000)
+    paths = [tmp_path / f"s{i}-64px-x.npz" for i in range(3)]
+    for i, path in enumerate(paths[:2]):
+        assert cache.store(path, one, set())
+        os.utime(path, (1000 + i, 1000 + i))
+    assert cache.load(paths[0]) is not None  # used now: s1 is the least recently used
+    assert cache.store(paths[2], one, set())
+    assert [p.exists() for p in paths] == [True, False, True]
+    assert not PixelCache(str(tmp_path), 10_000).store(tmp_path / "big.npz", one, set())
+    off = PixelCache(str(tmp_path), 0)
+    assert not off.enabled and off.load(paths[0]) is None

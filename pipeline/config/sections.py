@@ -513,6 +513,21 @@ class TrainConfig(_Section):
         description="CPU training: torch threads per worker (null = Ray's default, 1).",
         json_schema_extra=RESOURCES_ONLY,
     )
+    pixel_cache_gb: float = Field(
+        20.0,
+        ge=0,
+        description="Each node keeps the training images it decoded at the model's resolution "
+        "(uint8) in pixel_cache_dir, up to this many GB (least recently used out first), so "
+        "later epochs, views and rounds read them instead of decoding the JPEGs again; "
+        "0 = off (decode every epoch). Same pixels either way.",
+        json_schema_extra=RESOURCES_ONLY,
+    )
+    pixel_cache_dir: str | None = Field(
+        None,
+        description="A node-local folder for pixel_cache_gb (null: <temp dir>/ncl-pixel-cache "
+        "on each node, e.g. /tmp; point it at a local NVMe disk).",
+        json_schema_extra=RESOURCES_ONLY,
+    )
     checkpoint_every_steps: int = Field(
         200,
         ge=0,

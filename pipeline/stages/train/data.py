@@ -5,14 +5,15 @@ A reader task holds one shard's admitted samples as their encoded bytes (a pipel
 round-0 embed pass decoded them) or, without an embed pass, as model-resolution uint8 pixels
 (decoded once to check them), never as full-size images; it decodes a chunk of the epoch's
 order at a time, resized and cropped to the model's resolution, and ships uint8 pixels
-(4x fewer bytes than float32). `epoch_batches` normalises them where Ray Data delivers the
-batch (the training worker's device): the eval transform's own operations, so the pixels are
-bit-identical to the transform's (tests/test_pixels.py).
+(4x fewer bytes than float32). Once a shard's images are all decoded they go to the node's
+pixel cache (`pipeline.io.pixel_cache`, `train.pixel_cache_gb`), which the next epoch's,
+view's and round's readers of that shard read instead of decoding. `epoch_batches` normalises
+them where Ray Data delivers the batch (the training worker's device): the eval transform's
+own operations, so the pixels are bit-identical to the transform's (tests/test_pixels.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import logging
@@ -34,6 +35,7 @@ from pipeline.core.coteach import (
 from pipeline.io.admitted import ShardChangedError, fingerprint_change, read_reference
 from pipeline.io.decode import decode_image
 from pipeline.io.layout import RunLayout
+from pipeline.io.pixel_cache import PixelCache
 from pipeline.io.shards import (
     DecodeOptions,
     Rejection,
@@ -299,10 +301,9 @@ def _model_pixels(image, model: ModelSpec) -> np.ndarray:
     return pil_pixels(image, spec) if spec is not None else preprocess(image).numpy()
 
 
-def _shard_samples(path: str, decode: DecodeOptions, labels, reference, model: ModelSpec):
-    """The shard's usable samples (pixels not decoded: `image_bytes` kept) and, per sample,
-    its pixels: the bytes when the embed pass admitted it (it decoded them), else decoded now
-    at model resolution, which also checks them."""
+def _shard_samples(path: str, decode: DecodeOptions, labels, reference):
+    """The shard's usable samples (pixels not decoded: `image_bytes` kept), their bytes (the
+    held images, decoded later), and the SHA-256 of the shard as read (None: incomplete)."""
     samples, held = [], []
     stats = ShardReadStats()
     for record in iter_shard_records(path, stats):
@@ -310,32 +311,27 @@ def _shard_samples(path: str, decode: DecodeOptions, labels, reference, model: M
             continue
         if reference is not None and record.key not in reference.keys:
             continue
-        sample = decode_record(record, decode, pixels=reference is None)
+        sample = decode_record(record, decode, pixels=False)
         if isinstance(sample, Rejection):
             continue
         if labels is not None and sample.key not in labels.row:
             continue
         samples.append(sample)
-        held.append(
-            sample.image_bytes if reference is not None else _model_pixels(sample.image, model)
-        )
-        if reference is None:
-            samples[-1] = dataclasses.replace(sample, image=None)  # full size: not kept
+        held.append(sample.image_bytes)
     changed = reference and fingerprint_change(path, reference, stats.size, stats.sha256)
     if changed:
         raise ShardChangedError(f"{changed}; rerun to embed it again")
-    return samples, held
+    return samples, held, stats.sha256
 
 
-def _chunk_pixels(held, picks, model: ModelSpec, shard: str, samples) -> list:
-    """Per picked sample, its model-resolution pixels (None: its bytes no longer decode)."""
-    out = []
-    for i in picks:
-        item = held[i]
-        if isinstance(item, bytes):
-            try:
-                item = _model_pixels(decode_image(item), model)
-            except Exception as exc:  # the round-0 decode (maybe on a GPU) took it
+def _decode_held(held: list, i: int, model: ModelSpec, shard: str, samples, warn: bool):
+    """Decode `held[i]` in place when it still holds bytes: its model-resolution pixels, or
+    None when the bytes do not decode (on CPU; the round-0 decode may have been a GPU's)."""
+    if isinstance(held[i], bytes):
+        try:
+            held[i] = _model_pixels(decode_image(held[i]), model)
+        except Exception as exc:
+            if warn:
                 logger.warning(
                     "shard %s, sample %s: image does not decode on CPU (%s: %s); row left out",
                     shard,
@@ -343,9 +339,46 @@ def _chunk_pixels(held, picks, model: ModelSpec, shard: str, samples) -> list:
                     type(exc).__name__,
                     exc,
                 )
-                item = None
-        out.append(item)
-    return out
+            held[i] = None
+    return held[i]
+
+
+class _ShardPixels:
+    """A shard's held images and their entry in the pixel cache: `open` fills `held` from the
+    entry, `save` writes it once every image was decoded (uint8 models only)."""
+
+    def __init__(self, cache: PixelCache | None, model: ModelSpec, decode: DecodeOptions):
+        _, _, spec = _transforms(model)
+        self.cache = cache if cache is not None and cache.enabled and spec is not None else None
+        self.size = spec.size if spec is not None else 0
+        self.tag = f"{decode.image_key}|{decode.max_image_pixels}"
+        self.entry = None
+        self.hit = 0
+
+    def open(self, shard: str, sha256: str | None, samples, held: list) -> None:
+        self.entry, self.hit = None, 0
+        if self.cache is None or sha256 is None:
+            return
+        self.entry = self.cache.path(shard, sha256, self.size, self.tag)
+        cached = self.cache.load(self.entry)
+        if cached is None:
+            return
+        for i, sample in enumerate(samples):
+            if sample.key in cached.keys:
+                held[i] = cached.pixels[cached.keys[sample.key]]
+                self.hit += 1
+            elif sample.key in cached.failed:
+                held[i] = None
+                self.hit += 1
+
+    def save(self, samples, held: list) -> None:
+        if self.entry is None or self.hit == len(held):
+            return  # no cache, or nothing new to add
+        if any(isinstance(h, bytes) for h in held):
+            return  # the pipeline stopped before every image was read
+        pixels = {s.key: h for s, h in zip(samples, held, strict=True) if h is not None}
+        failed = {s.key for s, h in zip(samples, held, strict=True) if h is None}
+        self.cache.store(self.entry, pixels, failed)
 
 
 def read_training_batches(
@@ -359,6 +392,7 @@ def read_training_batches(
     admitted_dir: str | None = None,
     rows_per_batch: int = 256,
     text_proxies: dict[str, list] | None = None,
+    pixel_cache: PixelCache | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
     """Ray Data UDF: shard paths in, labelled rows with model-resolution pixels out (streamed).
 
@@ -369,23 +403,36 @@ def read_training_batches(
     is in that shard, `text_proxy_pairs`) adds rows: the image once more, with a noisy caption.
     A shard whose bytes differ from what the embed pass read raises `ShardChangedError` before
     any of its rows is used. "pixels" are (B, 3, H, W) uint8 (float32, normalised, for a model
-    whose transform `pixel_spec` does not describe); images are decoded a chunk at a time.
+    whose transform `pixel_spec` does not describe); images are decoded a chunk at a time,
+    or read from `pixel_cache` (`pipeline.io.pixel_cache`), which the shard's reader fills.
     """
     _, tokenizer, _ = _transforms(model)
+    shard_pixels = _ShardPixels(pixel_cache, model, decode)
     for path in batch["path"]:
         path = str(path)
         shard = shard_name(path)
         labels = _read_shard_labels(view, shard)
         reference = read_reference(f"{admitted_dir}/{shard}.parquet") if admitted_dir else None
-        samples, held = _shard_samples(path, decode, labels, reference, model)
+        samples, held, sha256 = _shard_samples(path, decode, labels, reference)
+        shard_pixels.open(shard, sha256, samples, held)
+        if reference is None:  # no embed pass checked them: decode now, keep what decodes
+            keep = [
+                _decode_held(held, i, model, shard, samples, warn=False) is not None
+                for i in range(len(samples))
+            ]
+            shard_pixels.save(samples, held)
+            samples = [s for s, k in zip(samples, keep, strict=True) if k]
+            held = [h for h, k in zip(held, keep, strict=True) if k]
         rows = _shard_rows(view, phase, labels, samples, (text_proxies or {}).get(shard, []))
         order = np.random.default_rng([view.seed, epoch, zlib.crc32(shard.encode())]).permutation(
             len(rows["sample"])
         )
         for start in range(0, len(order), rows_per_batch):
             chunk = order[start : start + rows_per_batch]
-            picks = [rows["sample"][i] for i in chunk]
-            pixels = _chunk_pixels(held, picks, model, shard, samples)
+            pixels = [
+                _decode_held(held, rows["sample"][i], model, shard, samples, warn=True)
+                for i in chunk
+            ]
             kept = np.array([p is not None for p in pixels], dtype=bool)
             chunk = chunk[kept]
             if not len(chunk):
@@ -397,6 +444,8 @@ def read_training_batches(
             for name in ("weight", "reliable", "proxy", "image_group", "text_group"):
                 out[name] = rows[name][chunk]
             yield out
+        if reference is not None:
+            shard_pixels.save(samples, held)
 
 
 def epoch_phase(spec: TrainSpec, view: ViewSpec, epoch: int) -> Phase:
@@ -450,6 +499,9 @@ def epoch_batches(spec: TrainSpec, view: ViewSpec, epoch: int, rank: int, world:
             "phase": phase,
             "admitted_dir": _admitted_dir(spec),
             "text_proxies": _text_proxies(spec, view, phase, shards),
+            "pixel_cache": PixelCache(
+                spec.train.pixel_cache_dir, int(spec.train.pixel_cache_gb * 1e9)
+            ),
         },
     )
     _, _, pixels = _transforms(view.init)
