@@ -20,9 +20,9 @@ from shard_fixtures import write_tar
 from test_pixels import SIZES, scene_jpeg
 
 from pipeline.core.coteach import Phase
-from pipeline.io.admitted import SHARD_BYTES_KEY, SHARD_SHA256_KEY
+from pipeline.io.admitted import SHARD_BYTES_KEY, SHARD_SHA256_KEY, ShardChangedError
 from pipeline.io.decode import DecodeOptions
-from pipeline.io.pixel_cache import PixelCache
+from pipeline.io.pixel_cache import CachedShard, PixelCache, file_signature
 from pipeline.models import ModelSpec, load_transforms
 from pipeline.models.encode import normalize_pixels, pixel_spec
 from pipeline.stages.train.data import read_training_batches
@@ -125,8 +125,13 @@ def _same_batches(a, b):
             assert np.array_equal(x[name], y[name]), name
 
 
+class _Decoded(BaseException):
+    """Raised by the spy: a BaseException, so the reader's handler for images that do not
+    decode (`except Exception`) cannot take it for a bad image."""
+
+
 def _refuse_decode(_data):
-    raise AssertionError("the reader decoded an image the cache holds")
+    raise _Decoded("the reader decoded an image the cache holds")
 
 
 def test_second_read_comes_from_the_cache_bit_for_bit(shard, tmp_path, monkeypatch):
@@ -154,18 +159,41 @@ def test_admitted_reads_fill_the_cache_after_the_shard(shard, tmp_path, monkeypa
     first = _cached_read(path, cache, admitted_dir=str(tmp_path))
     monkeypatch.setattr("pipeline.stages.train.data.decode_image", _refuse_decode)
     _same_batches(first, _cached_read(path, cache, admitted_dir=str(tmp_path)))
+    # The entry's recorded fingerprint is checked as the tar's would be.
+    meta[SHARD_SHA256_KEY] = "0" * 64
+    pq.write_table(
+        pa.table({"key": ["k00"]}).replace_schema_metadata(meta), tmp_path / "00000.parquet"
+    )
+    with pytest.raises(ShardChangedError, match="changed after its embed pass"):
+        _cached_read(path, cache, admitted_dir=str(tmp_path))
 
 
-def test_an_entry_is_for_one_shard_size_and_decoder(tmp_path):
+def test_an_entry_is_for_one_shard_file_size_and_decoder(tmp_path):
     cache = PixelCache(str(tmp_path), 10**9)
-    base = cache.path("00000", "ab" * 32, 64, "auto|50000000")
+    base = cache.path("/data/00000.tar", "00000", "1234-5678", 64, "auto|txt|50000000")
     assert base.name.startswith("00000-64px-") and base.parent == tmp_path
     others = [
-        cache.path("00000", "cd" * 32, 64, "auto|50000000"),  # the shard's bytes changed
-        cache.path("00000", "ab" * 32, 224, "auto|50000000"),  # another resolution
-        cache.path("00000", "ab" * 32, 64, "png|50000000"),  # another image member
+        cache.path("/data/00000.tar", "00000", "1234-9999", 64, "auto|txt|50000000"),  # rewritten
+        cache.path("/other/00000.tar", "00000", "1234-5678", 64, "auto|txt|50000000"),
+        cache.path("/data/00000.tar", "00000", "1234-5678", 224, "auto|txt|50000000"),
+        cache.path("/data/00000.tar", "00000", "1234-5678", 64, "png|txt|50000000"),
     ]
-    assert len({base, *others}) == 4
+    assert len({base, *others}) == 5
+
+
+def test_a_rewritten_shard_is_read_again(shard, tmp_path, monkeypatch):
+    path, _ = shard
+    copy = tmp_path / "00000.tar"
+    copy.write_bytes(Path(path).read_bytes())
+    cache = PixelCache(str(tmp_path / "cache"), 10**9)
+    first = _cached_read(str(copy), cache)
+    os.utime(copy, ns=(1, 1))  # same bytes, another signature: a new entry
+    monkeypatch.setattr("pipeline.stages.train.data.decode_image", _refuse_decode)
+    with pytest.raises(_Decoded):
+        _cached_read(str(copy), cache)
+    monkeypatch.undo()
+    _same_batches(first, _cached_read(str(copy), cache))
+    assert len(list((tmp_path / "cache").glob("*.npz"))) == 2
 
 
 def test_a_broken_entry_is_decoded_again_and_rewritten(shard, tmp_path, caplog):
@@ -180,15 +208,26 @@ def test_a_broken_entry_is_decoded_again_and_rewritten(shard, tmp_path, caplog):
 
 
 def test_the_budget_evicts_the_least_recently_used(tmp_path):
-    one = {"k": np.zeros((3, 64, 64), np.uint8)}  # 12,288 bytes
-    cache = PixelCache(str(tmp_path), 30_000)
+    one = CachedShard(
+        ["k", "bad"], ["a caption\x00", "x"], [np.zeros((3, 64, 64), np.uint8), None], 10, "ab"
+    )
+    cache = PixelCache(str(tmp_path), 30_000)  # 12,288 bytes of pixels per entry
     paths = [tmp_path / f"s{i}-64px-x.npz" for i in range(3)]
     for i, path in enumerate(paths[:2]):
-        assert cache.store(path, one, set())
+        assert cache.store(path, one)
         os.utime(path, (1000 + i, 1000 + i))
-    assert cache.load(paths[0]) is not None  # used now: s1 is the least recently used
-    assert cache.store(paths[2], one, set())
+    back = cache.load(paths[0])  # used now: s1 is the least recently used
+    assert back.keys == one.keys and back.captions == one.captions and back.pixels[1] is None
+    assert (back.size, back.sha256) == (10, "ab")
+    assert cache.store(paths[2], one)
     assert [p.exists() for p in paths] == [True, False, True]
-    assert not PixelCache(str(tmp_path), 10_000).store(tmp_path / "big.npz", one, set())
+    assert not PixelCache(str(tmp_path), 10_000).store(tmp_path / "big.npz", one)
     off = PixelCache(str(tmp_path), 0)
     assert not off.enabled and off.load(paths[0]) is None
+
+
+def test_no_signature_no_cache(tmp_path):
+    assert file_signature("pipe:cat /data/00000.tar") is None
+    assert file_signature(str(tmp_path / "missing.tar")) is None
+    (tmp_path / "a.tar").write_bytes(b"x" * 10)
+    assert file_signature(str(tmp_path / "a.tar")).startswith("10-")

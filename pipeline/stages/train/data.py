@@ -21,6 +21,7 @@ import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ from pipeline.core.coteach import (
 from pipeline.io.admitted import ShardChangedError, fingerprint_change, read_reference
 from pipeline.io.decode import decode_image
 from pipeline.io.layout import RunLayout
-from pipeline.io.pixel_cache import PixelCache
+from pipeline.io.pixel_cache import CachedShard, PixelCache, file_signature
 from pipeline.io.shards import (
     DecodeOptions,
     Rejection,
@@ -301,30 +302,41 @@ def _model_pixels(image, model: ModelSpec) -> np.ndarray:
     return pil_pixels(image, spec) if spec is not None else preprocess(image).numpy()
 
 
-def _shard_samples(path: str, decode: DecodeOptions, labels, reference):
-    """The shard's usable samples (pixels not decoded: `image_bytes` kept), their bytes (the
-    held images, decoded later), and the SHA-256 of the shard as read (None: incomplete)."""
+class _Sample(NamedTuple):
+    """What the rows of one sample need: its key and caption."""
+
+    key: str
+    caption: str
+
+
+@dataclass
+class _Shard:
+    """A shard's samples in tar order (those that pass the record checks) and, per sample,
+    its image: bytes until decoded, then model-resolution pixels, None when it does not
+    decode; `size` and `sha256` of the tar as read (None: not read completely)."""
+
+    samples: list[_Sample]
+    held: list
+    size: int | None
+    sha256: str | None
+
+
+def _read_shard(path: str, decode: DecodeOptions) -> _Shard:
+    """The shard's samples with their image bytes (not decoded)."""
     samples, held = [], []
     stats = ShardReadStats()
     for record in iter_shard_records(path, stats):
         if isinstance(record, Rejection):
             continue
-        if reference is not None and record.key not in reference.keys:
-            continue
         sample = decode_record(record, decode, pixels=False)
         if isinstance(sample, Rejection):
             continue
-        if labels is not None and sample.key not in labels.row:
-            continue
-        samples.append(sample)
+        samples.append(_Sample(sample.key, sample.caption))
         held.append(sample.image_bytes)
-    changed = reference and fingerprint_change(path, reference, stats.size, stats.sha256)
-    if changed:
-        raise ShardChangedError(f"{changed}; rerun to embed it again")
-    return samples, held, stats.sha256
+    return _Shard(samples, held, stats.size, stats.sha256)
 
 
-def _decode_held(held: list, i: int, model: ModelSpec, shard: str, samples, warn: bool):
+def _decode_held(held: list, i: int, model: ModelSpec, shard: str, key: str, warn: bool):
     """Decode `held[i]` in place when it still holds bytes: its model-resolution pixels, or
     None when the bytes do not decode (on CPU; the round-0 decode may have been a GPU's)."""
     if isinstance(held[i], bytes):
@@ -335,7 +347,7 @@ def _decode_held(held: list, i: int, model: ModelSpec, shard: str, samples, warn
                 logger.warning(
                     "shard %s, sample %s: image does not decode on CPU (%s: %s); row left out",
                     shard,
-                    samples[i].key,
+                    key,
                     type(exc).__name__,
                     exc,
                 )
@@ -343,42 +355,45 @@ def _decode_held(held: list, i: int, model: ModelSpec, shard: str, samples, warn
     return held[i]
 
 
-class _ShardPixels:
-    """A shard's held images and their entry in the pixel cache: `open` fills `held` from the
-    entry, `save` writes it once every image was decoded (uint8 models only)."""
+class _CachedReads:
+    """A reader's shards through the pixel cache (uint8 models only): `read` returns the
+    entry when there is one (the tar not opened), else reads the tar; `save` writes the
+    entry of a shard read from its tar, decoding what the epoch did not need."""
 
     def __init__(self, cache: PixelCache | None, model: ModelSpec, decode: DecodeOptions):
         _, _, spec = _transforms(model)
         self.cache = cache if cache is not None and cache.enabled and spec is not None else None
         self.size = spec.size if spec is not None else 0
-        self.tag = f"{decode.image_key}|{decode.max_image_pixels}"
-        self.entry = None
-        self.hit = 0
+        self.tag = f"{decode.image_key}|{decode.caption_key}|{decode.max_image_pixels}"
+        self.model, self.decode = model, decode
 
-    def open(self, shard: str, sha256: str | None, samples, held: list) -> None:
-        self.entry, self.hit = None, 0
-        if self.cache is None or sha256 is None:
-            return
-        self.entry = self.cache.path(shard, sha256, self.size, self.tag)
-        cached = self.cache.load(self.entry)
-        if cached is None:
-            return
-        for i, sample in enumerate(samples):
-            if sample.key in cached.keys:
-                held[i] = cached.pixels[cached.keys[sample.key]]
-                self.hit += 1
-            elif sample.key in cached.failed:
-                held[i] = None
-                self.hit += 1
+    def _entry_path(self, path: str):
+        signature = file_signature(path) if self.cache is not None else None
+        if signature is None:
+            return None
+        return self.cache.path(path, shard_name(path), signature, self.size, self.tag)
 
-    def save(self, samples, held: list) -> None:
-        if self.entry is None or self.hit == len(held):
-            return  # no cache, or nothing new to add
-        if any(isinstance(h, bytes) for h in held):
-            return  # the pipeline stopped before every image was read
-        pixels = {s.key: h for s, h in zip(samples, held, strict=True) if h is not None}
-        failed = {s.key for s, h in zip(samples, held, strict=True) if h is None}
-        self.cache.store(self.entry, pixels, failed)
+    def read(self, path: str) -> tuple[_Shard, bool]:
+        """(the shard, whether it came from the cache)."""
+        entry_path = self._entry_path(path)
+        entry = self.cache.load(entry_path) if entry_path is not None else None
+        if entry is None:
+            return _read_shard(path, self.decode), False
+        samples = [_Sample(k, c) for k, c in zip(entry.keys, entry.captions, strict=True)]
+        return _Shard(samples, list(entry.pixels), entry.size, entry.sha256), True
+
+    def save(self, path: str, shard: _Shard) -> None:
+        entry_path = self._entry_path(path)
+        if entry_path is None or shard.sha256 is None or shard.size is None:
+            return
+        name = shard_name(path)
+        for i, sample in enumerate(shard.samples):
+            _decode_held(shard.held, i, self.model, name, sample.key, warn=False)
+        keys = [s.key for s in shard.samples]
+        captions = [s.caption for s in shard.samples]
+        self.cache.store(
+            entry_path, CachedShard(keys, captions, shard.held, shard.size, shard.sha256)
+        )
 
 
 def read_training_batches(
@@ -407,32 +422,40 @@ def read_training_batches(
     or read from `pixel_cache` (`pipeline.io.pixel_cache`), which the shard's reader fills.
     """
     _, tokenizer, _ = _transforms(model)
-    shard_pixels = _ShardPixels(pixel_cache, model, decode)
+    reads = _CachedReads(pixel_cache, model, decode)
     for path in batch["path"]:
         path = str(path)
         shard = shard_name(path)
         labels = _read_shard_labels(view, shard)
         reference = read_reference(f"{admitted_dir}/{shard}.parquet") if admitted_dir else None
-        samples, held, sha256 = _shard_samples(path, decode, labels, reference)
-        shard_pixels.open(shard, sha256, samples, held)
+        read, cached = reads.read(path)
+        changed = reference and fingerprint_change(path, reference, read.size, read.sha256)
+        if changed:
+            raise ShardChangedError(f"{changed}; rerun to embed it again")
+        held = read.held
+        picks = [
+            i
+            for i, s in enumerate(read.samples)
+            if (reference is None or s.key in reference.keys)
+            and (labels is None or s.key in labels.row)
+        ]
         if reference is None:  # no embed pass checked them: decode now, keep what decodes
-            keep = [
-                _decode_held(held, i, model, shard, samples, warn=False) is not None
-                for i in range(len(samples))
+            picks = [
+                i
+                for i in picks
+                if _decode_held(held, i, model, shard, read.samples[i].key, warn=False) is not None
             ]
-            shard_pixels.save(samples, held)
-            samples = [s for s, k in zip(samples, keep, strict=True) if k]
-            held = [h for h, k in zip(held, keep, strict=True) if k]
+        samples = [read.samples[i] for i in picks]
         rows = _shard_rows(view, phase, labels, samples, (text_proxies or {}).get(shard, []))
         order = np.random.default_rng([view.seed, epoch, zlib.crc32(shard.encode())]).permutation(
             len(rows["sample"])
         )
         for start in range(0, len(order), rows_per_batch):
             chunk = order[start : start + rows_per_batch]
-            pixels = [
-                _decode_held(held, rows["sample"][i], model, shard, samples, warn=True)
-                for i in chunk
-            ]
+            pixels = []
+            for row in chunk:
+                i = picks[rows["sample"][row]]
+                pixels.append(_decode_held(held, i, model, shard, read.samples[i].key, True))
             kept = np.array([p is not None for p in pixels], dtype=bool)
             chunk = chunk[kept]
             if not len(chunk):
@@ -444,8 +467,8 @@ def read_training_batches(
             for name in ("weight", "reliable", "proxy", "image_group", "text_group"):
                 out[name] = rows[name][chunk]
             yield out
-        if reference is not None:
-            shard_pixels.save(samples, held)
+        if not cached:
+            reads.save(path, read)
 
 
 def epoch_phase(spec: TrainSpec, view: ViewSpec, epoch: int) -> Phase:
