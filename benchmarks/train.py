@@ -16,8 +16,15 @@
    off the plateau), vanilla (all pairs, no selection) and oracle (ground-truth clean pairs only,
    joined as a label table).
 
+3. With `--readers`, only the training readers (`epoch_batches`, the Ray Data pipeline of one
+   view, iterated without training) on the same pairs as 64 px JPEGs for ncl-tiny and as
+   256 px JPEGs for ViT-B-32's 224 px transform, with the pixel cache (`train.pixel_cache_gb`)
+   and without: samples/s of the first epoch and of the later ones (median), and the machine's
+   CPU seconds per 1,000 samples, what a GPU node's reader CPUs must supply.
+
     python benchmarks/train.py --samples 4000 --epochs 8   (the demo settings)
     python benchmarks/train.py --samples 2000 --epochs 3 --throughput-only   (1. only)
+    python benchmarks/train.py --samples 2000 --epochs 4 --readers   (3. only)
 """
 
 from __future__ import annotations
@@ -157,6 +164,58 @@ def train_spec(corpus, output: str, *, views, mode, epochs, train) -> TrainSpec:
     )
 
 
+def reader_rates(corpus, model: ModelSpec, tmp: str, cache_gb: float, epochs: int) -> dict:
+    """The training readers alone, epoch after epoch: samples/s and machine CPU-s per 1,000."""
+    import psutil
+
+    from pipeline.stages.train.data import epoch_batches
+
+    train = train_config(64, 1e-3, epochs, False, f"{tmp}/pixels-{model.name}", cache_gb)
+    spec = train_spec(corpus, f"{tmp}/readers", views=(), mode="warmup", epochs=epochs, train=train)
+    view = ViewSpec("A", model, seed=0)
+    rates, cpu_per_1k = [], []
+    for epoch in range(epochs):
+        cpu = sum(psutil.cpu_times()[:2])
+        started, seen = time.perf_counter(), 0
+        for batch in epoch_batches(spec, view, epoch, 0, 1):
+            seen += len(batch["tokens"])
+        rates.append(seen / (time.perf_counter() - started))
+        cpu_per_1k.append((sum(psutil.cpu_times()[:2]) - cpu) / seen * 1000)
+    return {
+        "first_epoch_samples_per_s": round(rates[0], 1),
+        "later_samples_per_s": round(statistics.median(rates[1:]), 1),
+        "first_epoch_cpu_s_per_1k": round(cpu_per_1k[0], 3),
+        "later_cpu_s_per_1k": round(statistics.median(cpu_per_1k[1:]), 3),
+    }
+
+
+def readers(args) -> None:
+    for image_size, name in ((64, "ncl-tiny"), (256, "ViT-B-32")):
+        with tempfile.TemporaryDirectory() as tmp:
+            corpus = make_corpus(
+                Path(tmp) / "corpus",
+                samples=args.samples,
+                noise=args.noise,
+                partial=0.1,
+                seed=0,
+                samples_per_shard=500,
+                test_samples=100,
+                image_size=image_size,
+            )
+            for cache_gb in (0.0, 20.0):
+                rates = reader_rates(corpus, ModelSpec(name, None), tmp, cache_gb, args.epochs)
+                emit(
+                    "reader_throughput",
+                    model=name,
+                    jpeg_px=image_size,
+                    pixel_cache=cache_gb > 0,
+                    pairs=args.samples,
+                    epochs=args.epochs,
+                    load_average=round(os.getloadavg()[0], 1),
+                    **rates,
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--samples", type=int, default=4000)
@@ -165,11 +224,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--throughput-only", action="store_true", help="figure 1 only")
+    parser.add_argument("--readers", action="store_true", help="figure 3 only")
     args = parser.parse_args()
 
     from pipeline.runtime.ray import init_ray
 
     init_ray(None, num_cpus=2)
+    if args.readers:
+        readers(args)
+        return
     spec = ModelSpec("ncl-tiny", None, "fp32", seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         corpus = make_corpus(

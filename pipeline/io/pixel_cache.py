@@ -48,8 +48,8 @@ def default_cache_dir() -> str:
 
 def file_signature(location: str) -> str | None:
     """What changes when the shard at `location` (a local path or URL, maybe tagged with its
-    source) is rewritten: its size and modification time in ns, or an object store's size and
-    version fields; None when it cannot be told (a `pipe:` command: nothing is cached)."""
+    source) is rewritten: its size, modification time in ns and inode, or an object store's
+    size and version fields; None when it cannot be told (a `pipe:` command: not cached)."""
     path = split_source(location)[1]
     if path.startswith("pipe:"):
         return None
@@ -57,7 +57,7 @@ def file_signature(location: str) -> str | None:
         fs, fs_path = filesystem(path)
         if is_local(fs):
             stat = os.stat(fs_path)
-            return f"{stat.st_size}-{stat.st_mtime_ns}"
+            return f"{stat.st_size}-{stat.st_mtime_ns}-{stat.st_ino}"
         info = fs.info(fs_path)
     except (OSError, ValueError):
         return None
