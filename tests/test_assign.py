@@ -96,6 +96,23 @@ def test_partial_sinkhorn_respects_marginals_and_mass():
     np.testing.assert_allclose(masked[2][np.ix_(rows, rows)], reference, rtol=1e-9, atol=1e-15)
 
 
+def test_matrix_scaling_and_the_log_domain_give_the_same_plans(monkeypatch):
+    """Blocks of a CLIP-like logit range take the fast scaling form; forcing every block into
+    the log domain changes nothing beyond rounding (a mass-1 block and forbidden entries too)."""
+    import pipeline.core.labels.assign as assign
+
+    rng = np.random.default_rng(5)
+    logits, valid = _padded_blocks(rng, [1, 4, 12, 33, 33], 33, scale=40.0)
+    forbid = np.zeros((5, 33, 33), dtype=bool)
+    forbid[:, np.arange(33), np.arange(33)] = True
+    for mass, mask in ((0.7, None), (1.0, None), (0.5, forbid)):
+        fast = partial_sinkhorn(logits, valid, mass, iterations=50, forbid=mask)
+        monkeypatch.setattr(assign, "_SCALING_SPAN", -1.0)
+        slow = partial_sinkhorn(logits, valid, mass, iterations=50, forbid=mask)
+        monkeypatch.undo()
+        np.testing.assert_allclose(fast, slow, rtol=1e-9, atol=1e-14)
+
+
 def test_sinkhorn_is_stable_at_sharp_temperatures():
     """Log domain: logits / epsilon of several thousand neither overflow nor give NaN."""
     rng = np.random.default_rng(2)
