@@ -189,19 +189,24 @@ def reader_rates(corpus, model: ModelSpec, tmp: str, cache_gb: float, epochs: in
     }
 
 
+def demo_corpus(tmp: str, args, test_samples: int, image_size: int = 64):
+    """The benchmark's corpus: the demo's noise, 500 pairs per shard."""
+    return make_corpus(
+        Path(tmp) / "corpus",
+        samples=args.samples,
+        noise=args.noise,
+        partial=0.1,
+        seed=0,
+        samples_per_shard=500,
+        test_samples=test_samples,
+        image_size=image_size,
+    )
+
+
 def readers(args) -> None:
     for image_size, name in ((64, "ncl-tiny"), (256, "ViT-B-32")):
         with tempfile.TemporaryDirectory() as tmp:
-            corpus = make_corpus(
-                Path(tmp) / "corpus",
-                samples=args.samples,
-                noise=args.noise,
-                partial=0.1,
-                seed=0,
-                samples_per_shard=500,
-                test_samples=100,
-                image_size=image_size,
-            )
+            corpus = demo_corpus(tmp, args, 100, image_size)
             for cache_gb in (0.0, 20.0):
                 rates = reader_rates(corpus, ModelSpec(name, None), tmp, cache_gb, args.epochs)
                 emit(
@@ -235,15 +240,7 @@ def main() -> None:
         return
     spec = ModelSpec("ncl-tiny", None, "fp32", seed=0)
     with tempfile.TemporaryDirectory() as tmp:
-        corpus = make_corpus(
-            Path(tmp) / "corpus",
-            samples=args.samples,
-            noise=args.noise,
-            partial=0.1,
-            seed=0,
-            samples_per_shard=500,
-            test_samples=500,
-        )
+        corpus = demo_corpus(tmp, args, 500)
         common = {
             "pairs": args.samples,
             "noise": args.noise,
