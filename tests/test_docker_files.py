@@ -103,6 +103,21 @@ def test_gpu_pods_tolerate_the_gpu_taint_and_size_the_object_store(rayjob):
         assert store < shm_bytes < int(memory[:-2]) * units[memory[-2:]]
 
 
+def test_cc3m_pixel_cache_is_on_a_worker_disk_that_holds_it(rayjob):
+    """The readers' cache goes to a sized local volume of every GPU worker, not the container
+    layer, and its budget fits that volume."""
+    from pipeline.config import load_job
+
+    job = load_job(REPO / "jobs" / "cc3m.yaml")
+    for group in rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+        (mount,) = [p for p in mounts if job.train.pixel_cache_dir.startswith(p.rstrip("/") + "/")]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mounts[mount]]
+        limit = volume["emptyDir"]["sizeLimit"]
+        assert limit.endswith("Gi") and job.train.pixel_cache_gb * 1e9 < int(limit[:-2]) * 2**30
+
+
 def test_image_can_run_the_gpu_check(dockerfile):
     """The kernels part's modules come with the image's install, and the script is copied."""
     import tomllib

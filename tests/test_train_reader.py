@@ -207,7 +207,7 @@ def test_a_broken_entry_is_decoded_again_and_rewritten(shard, tmp_path, caplog):
     assert cache.load(entry) is not None
 
 
-def test_the_budget_evicts_the_least_recently_used(tmp_path):
+def test_the_budget_evicts_unused_entries_least_recently_used_first(tmp_path):
     one = CachedShard(
         ["k", "bad"], ["a caption\x00", "x"], [np.zeros((3, 64, 64), np.uint8), None], 10, "ab"
     )
@@ -222,6 +222,9 @@ def test_the_budget_evicts_the_least_recently_used(tmp_path):
     assert cache.store(paths[2], one)
     assert [p.exists() for p in paths] == [True, False, True]
     assert not PixelCache(str(tmp_path), 10_000).store(tmp_path / "big.npz", one)
+    # Entries in use (read within STALE_S) stay: a corpus larger than the budget does not churn.
+    assert not cache.store(tmp_path / "s3-64px-x.npz", one)
+    assert [p.exists() for p in paths] == [True, False, True]
     off = PixelCache(str(tmp_path), 0)
     assert not off.enabled and off.load(paths[0]) is None
 

@@ -516,10 +516,10 @@ class TrainConfig(_Section):
     pixel_cache_gb: float = Field(
         20.0,
         ge=0,
-        description="Each node keeps the training images it decoded at the model's resolution "
-        "(uint8) in pixel_cache_dir, up to this many GB (least recently used out first), so "
-        "later epochs, views and rounds read them instead of decoding the JPEGs again; "
-        "0 = off (decode every epoch). Same pixels either way.",
+        description="Each node keeps the training shards it read, decoded at the model's "
+        "resolution (uint8), in pixel_cache_dir, up to this many GB (entries unused for 6 h "
+        "make room, least recently used first), so later epochs, views and rounds read them "
+        "instead of the tars and JPEGs; 0 = off. Same batches either way.",
         json_schema_extra=RESOURCES_ONLY,
     )
     pixel_cache_dir: str | None = Field(

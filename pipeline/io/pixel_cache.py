@@ -14,7 +14,8 @@ Contract:
   speed only, hence `train.pixel_cache_*` are resource-only settings.
 - An entry is one `.npz` file written through `open_atomic`; a file that does not load is
   ignored with one warning and written again. Entries are added while the folder stays under
-  the budget, the least recently used removed first; a budget of 0 turns the cache off.
+  the budget; to make room, entries unused for `STALE_S` are removed, least recently used
+  first, never ones a running job reads; a budget of 0 turns the cache off.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ __all__ = ["CachedShard", "PixelCache", "default_cache_dir", "file_signature"]
 logger = logging.getLogger(__name__)
 SUFFIX = ".npz"
 TEMP = ".tmp-"  # open_atomic's temporary names (`pipeline.io.tables.TEMP_SUFFIX`)
+# Only entries unused this long are evicted: a running job reads each of its entries every
+# epoch, so a corpus larger than the budget keeps the entries it has instead of replacing
+# them in every epoch's shard order (writes that would never be read).
+STALE_S = 6 * 3600
 _VERSION_FIELDS = ("ETag", "etag", "generation", "md5Hash", "LastModified", "mtime")
 
 
@@ -178,11 +183,10 @@ class PixelCache:
             if entry.name.endswith(SUFFIX) or TEMP in entry.name:
                 entries.append((stat.st_mtime, stat.st_size, entry))
         used = sum(size for _, size, _ in entries)
+        stale = time.time() - STALE_S
         for mtime, size, entry in sorted(entries, key=lambda e: e[0]):
-            if used + nbytes <= self.budget_bytes:
+            if used + nbytes <= self.budget_bytes or mtime > stale:
                 break
-            if TEMP in entry.name and time.time() - mtime < 600:
-                continue  # another reader is writing it now
             entry.unlink(missing_ok=True)
             used -= size
         return used + nbytes <= self.budget_bytes
