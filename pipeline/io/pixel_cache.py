@@ -77,11 +77,11 @@ def _library_versions() -> str:
     return f"pil{PIL.__version__}-tv{torchvision.__version__}"
 
 
-def _pack(name: str, strings: list[str]) -> dict[str, np.ndarray]:
-    """Strings as UTF-8 bytes and offsets (numpy's own strings drop trailing NULs)."""
+def _pack(strings: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Strings as UTF-8 bytes and their end offsets (numpy's own strings drop trailing NULs)."""
     blobs = [s.encode() for s in strings]
     ends = np.cumsum([len(b) for b in blobs], dtype=np.int64)
-    return {name: np.frombuffer(b"".join(blobs), dtype=np.uint8), f"{name}_ends": ends}
+    return np.frombuffer(b"".join(blobs), dtype=np.uint8), ends
 
 
 def _unpack(data, name: str) -> list[str]:
@@ -146,8 +146,8 @@ class PixelCache:
         )
 
     def store(self, path: Path, entry: CachedShard) -> bool:
-        """Write `entry`, evicting the least recently used entries to stay under the budget;
-        False when it cannot fit (or be written)."""
+        """Write `entry` if it fits the budget, after removing entries unused for `STALE_S`
+        (least recently used first) as needed; False when it cannot fit (or be written)."""
         if not self.enabled:
             return False
         ok = np.array([p is not None for p in entry.pixels], dtype=bool)
@@ -157,10 +157,14 @@ class PixelCache:
             return False
         try:
             with open_atomic(path) as handle:
+                keys, keys_ends = _pack(entry.keys)
+                captions, captions_ends = _pack(entry.captions)
                 np.savez(
                     handle,
-                    **_pack("keys", entry.keys),
-                    **_pack("captions", entry.captions),
+                    keys=keys,
+                    keys_ends=keys_ends,
+                    captions=captions,
+                    captions_ends=captions_ends,
                     ok=ok,
                     pixels=pixels,
                     meta=np.array([str(entry.size), entry.sha256]),
