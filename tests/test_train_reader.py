@@ -22,7 +22,7 @@ from test_pixels import SIZES, scene_jpeg
 from pipeline.core.coteach import Phase
 from pipeline.io.admitted import SHARD_BYTES_KEY, SHARD_SHA256_KEY, ShardChangedError
 from pipeline.io.decode import DecodeOptions
-from pipeline.io.pixel_cache import CachedShard, PixelCache, file_signature
+from pipeline.io.pixel_cache import PixelCache, file_signature
 from pipeline.models import ModelSpec, load_transforms
 from pipeline.models.encode import normalize_pixels, pixel_spec
 from pipeline.stages.train.data import read_training_batches
@@ -207,26 +207,35 @@ def test_a_broken_entry_is_decoded_again_and_rewritten(shard, tmp_path, caplog):
     assert cache.load(entry) is not None
 
 
+def _store(cache: PixelCache, path, keys=("k", "bad")) -> bool:
+    """Write an entry of one 64 px image (12,288 bytes) and one that did not decode."""
+    writer = cache.writer(path, len(keys), 64)
+    if writer is None:
+        return False
+    writer.put(0, np.full((3, 64, 64), 7, np.uint8))
+    return writer.commit(list(keys), ["a caption\x00", "x"], 10, "ab")
+
+
 def test_the_budget_evicts_unused_entries_least_recently_used_first(tmp_path):
-    one = CachedShard(
-        ["k", "bad"], ["a caption\x00", "x"], [np.zeros((3, 64, 64), np.uint8), None], 10, "ab"
-    )
-    cache = PixelCache(str(tmp_path), 30_000)  # 12,288 bytes of pixels per entry
+    cache = PixelCache(str(tmp_path), 60_000)  # two entries of 24,576 bytes of pixels fit
     paths = [tmp_path / f"s{i}-64px-x.npz" for i in range(3)]
     for i, path in enumerate(paths[:2]):
-        assert cache.store(path, one)
-        os.utime(path, (1000 + i, 1000 + i))
-    back = cache.load(paths[0])  # used now: s1 is the least recently used
-    assert back.keys == one.keys and back.captions == one.captions and back.pixels[1] is None
-    assert (back.size, back.sha256) == (10, "ab")
-    assert cache.store(paths[2], one)
+        assert _store(cache, path)
+        os.utime(path, (1000 + i, 1000 + i))  # last used in 1970: stale
+    back = cache.load(paths[0])  # used now: s1 is the least recently used, and stale
+    assert back.keys == ["k", "bad"] and back.captions == ["a caption\x00", "x"]
+    assert back.ok.tolist() == [True, False] and back.pixels[0].max() == 7
+    assert isinstance(back.pixels, np.memmap) and (back.size, back.sha256) == (10, "ab")
+    assert _store(cache, paths[2])
     assert [p.exists() for p in paths] == [True, False, True]
-    assert not PixelCache(str(tmp_path), 10_000).store(tmp_path / "big.npz", one)
+    assert not paths[1].with_suffix(".npy").exists()  # an entry goes with its pixels
+    assert not _store(PixelCache(str(tmp_path), 10_000), tmp_path / "big.npz")
     # Entries in use (read within STALE_S) stay: a corpus larger than the budget does not churn.
-    assert not cache.store(tmp_path / "s3-64px-x.npz", one)
+    assert not _store(cache, tmp_path / "s3-64px-x.npz")
     assert [p.exists() for p in paths] == [True, False, True]
+    assert not [f for f in tmp_path.iterdir() if ".tmp-" in f.name]  # nothing left half-written
     off = PixelCache(str(tmp_path), 0)
-    assert not off.enabled and off.load(paths[0]) is None
+    assert not off.enabled and off.load(paths[0]) is None and off.writer(paths[0], 1, 64) is None
 
 
 def test_no_signature_no_cache(tmp_path):
@@ -234,3 +243,22 @@ def test_no_signature_no_cache(tmp_path):
     assert file_signature(str(tmp_path / "missing.tar")) is None
     (tmp_path / "a.tar").write_bytes(b"x" * 10)
     assert file_signature(str(tmp_path / "a.tar")).startswith("10-")
+
+
+def test_a_reader_stopped_mid_shard_leaves_no_entry(shard, tmp_path):
+    path, _ = shard
+    cache = PixelCache(str(tmp_path), 10**9)
+    view = ViewSpec(name="A", init=MODEL, seed=3)
+    batches = read_training_batches(
+        {"path": np.array([path])},
+        model=MODEL,
+        decode=DecodeOptions(),
+        view=view,
+        epoch=1,
+        phase=Phase(noisy=True, quasi_clean=True),
+        rows_per_batch=5,
+        pixel_cache=cache,
+    )
+    next(batches)
+    batches.close()  # as Ray Data closes a pipeline the warm-up no longer needs
+    assert list(tmp_path.iterdir()) == []

@@ -12,8 +12,10 @@ Contract:
   readers compare with the embed pass's fingerprint.
 - Pixels come back bit-identical to decoding again (uint8 stored as is): the cache changes
   speed only, hence `train.pixel_cache_*` are resource-only settings.
-- An entry is one `.npz` file written through `open_atomic`; a file that does not load is
-  ignored with one warning and written again. Entries are added while the folder stays under
+- An entry is an index (`.npz`: keys, captions, flags, size and SHA-256; written last, through
+  `open_atomic`) and its pixels (`.npy`, memory-mapped: a reader keeps no decoded shard in its
+  own memory, whether it writes the entry or reads it); one that does not load is ignored
+  with one warning and written again. Entries are added while the folder stays under
   the budget; to make room, entries unused for `STALE_S` are removed, least recently used
   first, never ones a running job reads; a budget of 0 turns the cache off.
 """
@@ -25,6 +27,7 @@ import logging
 import os
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +37,7 @@ from pipeline.io.paths import filesystem, is_local
 from pipeline.io.shard_patterns import split_source
 from pipeline.io.tables import open_atomic
 
-__all__ = ["CachedShard", "PixelCache", "default_cache_dir", "file_signature"]
+__all__ = ["CachedShard", "PixelCache", "PixelWriter", "default_cache_dir", "file_signature"]
 
 logger = logging.getLogger(__name__)
 SUFFIX = ".npz"
@@ -92,13 +95,61 @@ def _unpack(data, name: str) -> list[str]:
 
 @dataclass(frozen=True)
 class CachedShard:
-    """One shard's entry (see the module docstring); `pixels[i]` is None where not `ok`."""
+    """One shard's entry (see the module docstring): row i of `pixels` is the image of
+    `keys[i]` where `ok[i]` (else zeros: it did not decode)."""
 
     keys: list[str]  # (N,) in tar order
     captions: list[str]  # (N,)
-    pixels: list[np.ndarray | None]  # (N,) of (3, size, size) uint8, None: did not decode
+    ok: np.ndarray  # (N,) bool
+    pixels: np.ndarray  # (N, 3, size, size) uint8, memory-mapped
     size: int  # the tar's bytes
     sha256: str
+
+
+class PixelWriter:
+    """An entry being written: decoded rows go straight to a memory-mapped file (a reader
+    holds no shard of decoded pixels in its own memory); `commit` publishes it."""
+
+    def __init__(self, path: Path, rows: int, size: int):
+        self.path = path
+        self._tmp = path.with_name(f"{path.stem}.npy{TEMP}{uuid.uuid4().hex[:8]}")
+        self.pixels = np.lib.format.open_memmap(
+            self._tmp, mode="w+", dtype=np.uint8, shape=(rows, 3, size, size)
+        )
+        self.ok = np.zeros(rows, dtype=bool)
+
+    def put(self, row: int, pixels: np.ndarray) -> np.ndarray:
+        """Store one decoded (3, size, size) image; returns its row of the file."""
+        self.pixels[row] = pixels
+        self.ok[row] = True
+        return self.pixels[row]
+
+    def commit(self, keys: list[str], captions: list[str], size: int, sha256: str) -> bool:
+        """Publish the entry (pixels first, then the index that `load` looks for)."""
+        try:
+            self.pixels.flush()
+            os.replace(self._tmp, self.path.with_suffix(".npy"))
+            keys_bytes, keys_ends = _pack(keys)
+            captions_bytes, captions_ends = _pack(captions)
+            with open_atomic(self.path) as handle:
+                np.savez(
+                    handle,
+                    keys=keys_bytes,
+                    keys_ends=keys_ends,
+                    captions=captions_bytes,
+                    captions_ends=captions_ends,
+                    ok=self.ok,
+                    meta=np.array([str(size), sha256]),
+                )
+        except OSError as exc:  # a full or read-only disk: train on, decoding
+            logger.warning("pixel cache %s not written (%s)", self.path, exc)
+            self.discard()
+            return False
+        return True
+
+    def discard(self) -> None:
+        """Drop an entry that will not be completed (the pipeline stopped early)."""
+        self._tmp.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -114,7 +165,8 @@ class PixelCache:
         return self.budget_bytes > 0
 
     def path(self, location: str, shard: str, signature: str, size: int, decode_tag: str) -> Path:
-        """The entry's file: the shard's name for people, a digest of everything else."""
+        """The entry's index file (its pixels: the same name, `.npy`): the shard's name for
+        people, a digest of everything else."""
         tag = f"{location}|{signature}|{size}|{decode_tag}|{_library_versions()}"
         digest = hashlib.sha256(tag.encode()).hexdigest()[:24]
         return Path(self.folder or default_cache_dir()) / f"{shard}-{size}px-{digest}{SUFFIX}"
@@ -126,71 +178,53 @@ class PixelCache:
         try:
             with np.load(path, allow_pickle=False) as data:
                 keys, captions = _unpack(data, "keys"), _unpack(data, "captions")
-                ok, pixels, meta = data["ok"], data["pixels"], data["meta"].tolist()
-            if pixels.dtype != np.uint8 or pixels.ndim != 4 or len(pixels) != int(ok.sum()):
-                raise ValueError(f"pixels {pixels.dtype} {pixels.shape} for {int(ok.sum())}")
-            if not len(keys) == len(captions) == len(ok):
-                raise ValueError(f"{len(keys)} keys, {len(captions)} captions, {len(ok)} flags")
+                ok, meta = data["ok"], data["meta"].tolist()
+            pixels = np.load(path.with_suffix(".npy"), mmap_mode="r", allow_pickle=False)
+            if pixels.dtype != np.uint8 or pixels.ndim != 4 or pixels.shape[1] != 3:
+                raise ValueError(f"pixels {pixels.dtype} {pixels.shape}")
+            if not len(keys) == len(captions) == len(ok) == len(pixels):
+                raise ValueError(f"{len(keys)} keys, {len(ok)} flags, {len(pixels)} images")
         except Exception as exc:  # a truncated or foreign file: decode again, overwrite it
             name = type(exc).__name__
             logger.warning("pixel cache %s does not load (%s: %s); decoding", path, name, exc)
             return None
-        os.utime(path)  # recently used: evicted last
-        rows = iter(pixels)
-        return CachedShard(
-            keys,
-            captions,
-            [next(rows) if good else None for good in ok],
-            int(meta[0]),
-            str(meta[1]),
-        )
+        os.utime(path)  # recently used: not evicted
+        return CachedShard(keys, captions, ok, pixels, int(meta[0]), str(meta[1]))
 
-    def store(self, path: Path, entry: CachedShard) -> bool:
-        """Write `entry` if it fits the budget, after removing entries unused for `STALE_S`
-        (least recently used first) as needed; False when it cannot fit (or be written)."""
-        if not self.enabled:
-            return False
-        ok = np.array([p is not None for p in entry.pixels], dtype=bool)
-        good = [p for p in entry.pixels if p is not None]
-        pixels = np.stack(good) if good else np.zeros((0, 3, 1, 1), np.uint8)
-        if not self._make_room(path.parent, pixels.nbytes):
-            return False
+    def writer(self, path: Path, rows: int, size: int) -> PixelWriter | None:
+        """A writer for an entry of `rows` images of `size` px, or None when it cannot fit
+        the budget (after removing entries unused for `STALE_S`, least recently used first)."""
+        if not self.enabled or not self._make_room(path.parent, rows * 3 * size * size):
+            return None
         try:
-            with open_atomic(path) as handle:
-                keys, keys_ends = _pack(entry.keys)
-                captions, captions_ends = _pack(entry.captions)
-                np.savez(
-                    handle,
-                    keys=keys,
-                    keys_ends=keys_ends,
-                    captions=captions,
-                    captions_ends=captions_ends,
-                    ok=ok,
-                    pixels=pixels,
-                    meta=np.array([str(entry.size), entry.sha256]),
-                )
-        except OSError as exc:  # a full or read-only disk: train on, decoding
+            return PixelWriter(path, rows, size)
+        except OSError as exc:
             logger.warning("pixel cache %s not written (%s)", path, exc)
-            return False
-        return True
+            return None
 
     def _make_room(self, folder: Path, nbytes: int) -> bool:
         if nbytes > self.budget_bytes:
             return False
         folder.mkdir(parents=True, exist_ok=True)
-        entries = []
-        for entry in folder.iterdir():
+        entries: dict[str, list] = {}  # entry name -> [index mtime, bytes, files]
+        for file in folder.iterdir():
             try:
-                stat = entry.stat()
+                stat = file.stat()
             except FileNotFoundError:  # another reader evicted or renamed it meanwhile
                 continue
-            if entry.name.endswith(SUFFIX) or TEMP in entry.name:
-                entries.append((stat.st_mtime, stat.st_size, entry))
-        used = sum(size for _, size, _ in entries)
+            name = file.name
+            stem = name[: -len(SUFFIX)] if name.endswith((SUFFIX, ".npy")) else name
+            entry = entries.setdefault(stem, [stat.st_mtime, 0, []])
+            if file.suffix == SUFFIX or TEMP in file.name:
+                entry[0] = stat.st_mtime  # an index's (or a temp file's) time is its use
+            entry[1] += stat.st_size
+            entry[2].append(file)
+        used = sum(size for _, size, _ in entries.values())
         stale = time.time() - STALE_S
-        for mtime, size, entry in sorted(entries, key=lambda e: e[0]):
+        for mtime, size, files in sorted(entries.values(), key=lambda e: e[0]):
             if used + nbytes <= self.budget_bytes or mtime > stale:
                 break
-            entry.unlink(missing_ok=True)
+            for file in sorted(files, key=lambda f: f.suffix != SUFFIX):  # the index first
+                file.unlink(missing_ok=True)
             used -= size
         return used + nbytes <= self.budget_bytes

@@ -36,7 +36,7 @@ from pipeline.core.coteach import (
 from pipeline.io.admitted import ShardChangedError, fingerprint_change, read_reference
 from pipeline.io.decode import decode_image
 from pipeline.io.layout import RunLayout
-from pipeline.io.pixel_cache import CachedShard, PixelCache, file_signature
+from pipeline.io.pixel_cache import PixelCache, PixelWriter, file_signature
 from pipeline.io.shards import (
     DecodeOptions,
     Rejection,
@@ -336,29 +336,63 @@ def _read_shard(path: str, decode: DecodeOptions) -> _Shard:
     return _Shard(samples, held, stats.size, stats.sha256)
 
 
-def _decode_held(held: list, i: int, model: ModelSpec, shard: str, key: str, warn: bool):
-    """Decode `held[i]` in place when it still holds bytes: its model-resolution pixels, or
-    None when the bytes do not decode (on CPU; the round-0 decode may have been a GPU's)."""
-    if isinstance(held[i], bytes):
+class _Images:
+    """A shard's images, decoded on demand: bytes until then, model-resolution pixels after
+    (None: they do not decode on CPU; the round-0 decode may have been a GPU's). Decoded images
+    are kept when `keep` (a shard read without an embed pass, whose samples are all checked
+    first) or when a pixel-cache entry is being written (then as rows of its memory-mapped
+    file); otherwise a chunk's images are decoded, shipped and dropped."""
+
+    def __init__(self, shard: _Shard, name: str, model: ModelSpec, writer, keep: bool):
+        self.shard, self.name, self.model = shard, name, model
+        self.writer: PixelWriter | None = writer
+        self.keep = keep
+
+    def get(self, i: int, warn: bool = True):
+        item = self.shard.held[i]
+        if not isinstance(item, bytes):
+            return item
         try:
-            held[i] = _model_pixels(decode_image(held[i]), model)
+            pixels = _model_pixels(decode_image(item), self.model)
         except Exception as exc:
             if warn:
                 logger.warning(
                     "shard %s, sample %s: image does not decode on CPU (%s: %s); row left out",
-                    shard,
-                    key,
+                    self.name,
+                    self.shard.samples[i].key,
                     type(exc).__name__,
                     exc,
                 )
-            held[i] = None
-    return held[i]
+            pixels = None
+        if self.writer is not None:
+            self.shard.held[i] = None if pixels is None else self.writer.put(i, pixels)
+        elif self.keep:
+            self.shard.held[i] = pixels
+        return pixels
+
+    def finish(self) -> None:
+        """Complete and publish the cache entry being written (decoding what the epoch did not
+        need: samples without a label or not admitted)."""
+        if self.writer is None:
+            return
+        for i in range(len(self.shard.held)):
+            self.get(i, warn=False)
+        shard = self.shard
+        keys = [s.key for s in shard.samples]
+        captions = [s.caption for s in shard.samples]
+        assert shard.size is not None and shard.sha256 is not None  # else no writer
+        self.writer.commit(keys, captions, shard.size, shard.sha256)
+        self.writer = None
+
+    def discard(self) -> None:
+        if self.writer is not None:
+            self.writer.discard()
+            self.writer = None
 
 
 class _CachedReads:
     """A reader's shards through the pixel cache (uint8 models only): `read` returns the
-    entry when there is one (the tar not opened), else reads the tar; `save` writes the
-    entry of a shard read from its tar, decoding what the epoch did not need."""
+    entry when there is one (the tar not opened), else reads the tar and starts its entry."""
 
     def __init__(self, cache: PixelCache | None, model: ModelSpec, decode: DecodeOptions):
         _, _, spec = _transforms(model)
@@ -367,33 +401,23 @@ class _CachedReads:
         self.tag = f"{decode.image_key}|{decode.caption_key}|{decode.max_image_pixels}"
         self.model, self.decode = model, decode
 
-    def _entry_path(self, path: str):
-        signature = file_signature(path) if self.cache is not None else None
-        if signature is None:
-            return None
-        return self.cache.path(path, shard_name(path), signature, self.size, self.tag)
-
-    def read(self, path: str) -> tuple[_Shard, bool]:
-        """(the shard, whether it came from the cache)."""
-        entry_path = self._entry_path(path)
-        entry = self.cache.load(entry_path) if entry_path is not None else None
-        if entry is None:
-            return _read_shard(path, self.decode), False
-        samples = [_Sample(k, c) for k, c in zip(entry.keys, entry.captions, strict=True)]
-        return _Shard(samples, list(entry.pixels), entry.size, entry.sha256), True
-
-    def save(self, path: str, shard: _Shard) -> None:
-        entry_path = self._entry_path(path)
-        if entry_path is None or shard.sha256 is None or shard.size is None:
-            return
+    def read(self, path: str, keep: bool) -> _Images:
         name = shard_name(path)
-        for i, sample in enumerate(shard.samples):
-            _decode_held(shard.held, i, self.model, name, sample.key, warn=False)
-        keys = [s.key for s in shard.samples]
-        captions = [s.caption for s in shard.samples]
-        self.cache.store(
-            entry_path, CachedShard(keys, captions, shard.held, shard.size, shard.sha256)
-        )
+        signature = file_signature(path) if self.cache is not None else None
+        if self.cache is None or signature is None:
+            return _Images(_read_shard(path, self.decode), name, self.model, None, keep)
+        entry_path = self.cache.path(path, name, signature, self.size, self.tag)
+        entry = self.cache.load(entry_path)
+        if entry is not None:
+            samples = [_Sample(k, c) for k, c in zip(entry.keys, entry.captions, strict=True)]
+            held = [p if ok else None for p, ok in zip(entry.pixels, entry.ok, strict=True)]
+            return _Images(_Shard(samples, held, entry.size, entry.sha256), name, self.model,
+                           None, keep)  # fmt: skip
+        shard = _read_shard(path, self.decode)
+        writer = None
+        if shard.sha256 is not None and shard.size is not None:
+            writer = self.cache.writer(entry_path, len(shard.samples), self.size)
+        return _Images(shard, name, self.model, writer, keep)
 
 
 def read_training_batches(
@@ -428,47 +452,49 @@ def read_training_batches(
         shard = shard_name(path)
         labels = _read_shard_labels(view, shard)
         reference = read_reference(f"{admitted_dir}/{shard}.parquet") if admitted_dir else None
-        read, cached = reads.read(path)
-        changed = reference and fingerprint_change(path, reference, read.size, read.sha256)
-        if changed:
-            raise ShardChangedError(f"{changed}; rerun to embed it again")
-        held = read.held
-        picks = [
-            i
-            for i, s in enumerate(read.samples)
-            if (reference is None or s.key in reference.keys)
-            and (labels is None or s.key in labels.row)
-        ]
-        if reference is None:  # no embed pass checked them: decode now, keep what decodes
-            picks = [
-                i
-                for i in picks
-                if _decode_held(held, i, model, shard, read.samples[i].key, warn=False) is not None
-            ]
-        samples = [read.samples[i] for i in picks]
-        rows = _shard_rows(view, phase, labels, samples, (text_proxies or {}).get(shard, []))
-        order = np.random.default_rng([view.seed, epoch, zlib.crc32(shard.encode())]).permutation(
-            len(rows["sample"])
-        )
-        for start in range(0, len(order), rows_per_batch):
-            chunk = order[start : start + rows_per_batch]
-            pixels = []
-            for row in chunk:
-                i = picks[rows["sample"][row]]
-                pixels.append(_decode_held(held, i, model, shard, read.samples[i].key, True))
-            kept = np.array([p is not None for p in pixels], dtype=bool)
-            chunk = chunk[kept]
-            if not len(chunk):
-                continue
-            out = {
-                "pixels": np.stack([p for p in pixels if p is not None]),
-                "tokens": tokenizer([rows["caption"][i] for i in chunk]).numpy(),
-            }
-            for name in ("weight", "reliable", "proxy", "image_group", "text_group"):
-                out[name] = rows[name][chunk]
-            yield out
-        if not cached:
-            reads.save(path, read)
+        images = reads.read(path, keep=reference is None)
+        try:
+            yield from _shard_batches(
+                images, path, reference, labels, view, (epoch, phase), text_proxies, tokenizer,
+                rows_per_batch,
+            )  # fmt: skip
+            images.finish()
+        finally:
+            images.discard()  # an entry left unfinished (an error, or the pipeline closed)
+
+
+def _shard_batches(images, path, reference, labels, view, when, text_proxies, tokenizer, rows):
+    """One shard's training batches (see `read_training_batches`); `when`: (epoch, phase)."""
+    (epoch, phase), read, shard = when, images.shard, images.name
+    changed = reference and fingerprint_change(path, reference, read.size, read.sha256)
+    if changed:
+        raise ShardChangedError(f"{changed}; rerun to embed it again")
+    picks = [
+        i
+        for i, s in enumerate(read.samples)
+        if (reference is None or s.key in reference.keys)
+        and (labels is None or s.key in labels.row)
+    ]
+    if reference is None:  # no embed pass checked them: decode now, keep what decodes
+        picks = [i for i in picks if images.get(i, warn=False) is not None]
+    samples = [read.samples[i] for i in picks]
+    table = _shard_rows(view, phase, labels, samples, (text_proxies or {}).get(shard, []))
+    order = np.random.default_rng([view.seed, epoch, zlib.crc32(shard.encode())])
+    order = order.permutation(len(table["sample"]))
+    for start in range(0, len(order), rows):
+        chunk = order[start : start + rows]
+        pixels = [images.get(picks[table["sample"][row]]) for row in chunk]
+        kept = np.array([p is not None for p in pixels], dtype=bool)
+        chunk = chunk[kept]
+        if not len(chunk):
+            continue
+        out = {
+            "pixels": np.stack([p for p in pixels if p is not None]),
+            "tokens": tokenizer([table["caption"][i] for i in chunk]).numpy(),
+        }
+        for name in ("weight", "reliable", "proxy", "image_group", "text_group"):
+            out[name] = table[name][chunk]
+        yield out
 
 
 def epoch_phase(spec: TrainSpec, view: ViewSpec, epoch: int) -> Phase:
