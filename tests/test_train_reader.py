@@ -48,20 +48,23 @@ def shard(tmp_path_factory):
     return str(path), expected
 
 
-def _read(path, admitted_dir=None, rows_per_batch=5):
-    view = ViewSpec(name="A", init=MODEL, seed=3)
-    return list(
-        read_training_batches(
-            {"path": np.array([path])},
-            model=MODEL,
-            decode=DecodeOptions(),
-            view=view,
-            epoch=1,
-            phase=Phase(noisy=True, quasi_clean=True),
-            admitted_dir=admitted_dir,
-            rows_per_batch=rows_per_batch,
-        )
+def _batches(path, admitted_dir=None, rows_per_batch=5, cache=None):
+    """The reader's batches of one shard (streamed), as a Ray Data task would get them."""
+    return read_training_batches(
+        {"path": np.array([path])},
+        model=MODEL,
+        decode=DecodeOptions(),
+        view=ViewSpec(name="A", init=MODEL, seed=3),
+        epoch=1,
+        phase=Phase(noisy=True, quasi_clean=True),
+        admitted_dir=admitted_dir,
+        rows_per_batch=rows_per_batch,
+        pixel_cache=cache,
     )
+
+
+def _read(path, admitted_dir=None, rows_per_batch=5):
+    return list(_batches(path, admitted_dir, rows_per_batch))
 
 
 def _check(batches, expected) -> list[str]:
@@ -104,17 +107,7 @@ def test_admitted_samples_are_decoded_per_chunk_with_the_same_pixels(shard, tmp_
 
 
 def _cached_read(path, cache, admitted_dir=None):
-    view = ViewSpec(name="A", init=MODEL, seed=3)
-    kwargs = dict(model=MODEL, decode=DecodeOptions(), view=view, epoch=1, rows_per_batch=5)
-    return list(
-        read_training_batches(
-            {"path": np.array([path])},
-            phase=Phase(noisy=True, quasi_clean=True),
-            admitted_dir=admitted_dir,
-            pixel_cache=cache,
-            **kwargs,
-        )
-    )
+    return list(_batches(path, admitted_dir, cache=cache))
 
 
 def _same_batches(a, b):
@@ -248,17 +241,7 @@ def test_no_signature_no_cache(tmp_path):
 def test_a_reader_stopped_mid_shard_leaves_no_entry(shard, tmp_path):
     path, _ = shard
     cache = PixelCache(str(tmp_path), 10**9)
-    view = ViewSpec(name="A", init=MODEL, seed=3)
-    batches = read_training_batches(
-        {"path": np.array([path])},
-        model=MODEL,
-        decode=DecodeOptions(),
-        view=view,
-        epoch=1,
-        phase=Phase(noisy=True, quasi_clean=True),
-        rows_per_batch=5,
-        pixel_cache=cache,
-    )
+    batches = _batches(path, cache=cache)
     next(batches)
     batches.close()  # as Ray Data closes a pipeline the warm-up no longer needs
     assert list(tmp_path.iterdir()) == []
