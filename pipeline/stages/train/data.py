@@ -411,8 +411,8 @@ class _CachedReads:
         if entry is not None:
             samples = [_Sample(k, c) for k, c in zip(entry.keys, entry.captions, strict=True)]
             held = [p if ok else None for p, ok in zip(entry.pixels, entry.ok, strict=True)]
-            return _Images(_Shard(samples, held, entry.size, entry.sha256), name, self.model,
-                           None, keep)  # fmt: skip
+            cached = _Shard(samples, held, entry.size, entry.sha256)
+            return _Images(cached, name, self.model, None, keep)
         shard = _read_shard(path, self.decode)
         writer = None
         if shard.sha256 is not None and shard.size is not None:
