@@ -14,8 +14,8 @@ directory's round-1 embeddings (the two warmed models) by
 - published_round2 and ensemble_rounds_1_2: the next round's table (labels of the models after
   one more round of training) and the mean of the two rounds' labels, a two-point version of
   GSC's temporal ensembling;
-and prints AUROC of clean (degree 1) against every mismatch (degree 0) and per noise type, one
-JSON line per seed and view, then the medians.
+and prints AUROC of clean pairs against every mismatch and per noise type (the web benchmark's
+`per_noise_type_auroc`), one JSON line per seed and view, then the medians.
 
     python benchmarks/gsc_screen.py --workdir /tmp/web-bench --k 20
 """
@@ -29,18 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
-
-
-def auroc(pos: np.ndarray, neg: np.ndarray) -> float:
-    """P(score of a positive > score of a negative), ties counted half."""
-    scores = np.concatenate([pos, neg])
-    order = scores.argsort(kind="stable")
-    ranks = np.empty(len(scores))
-    ranks[order] = np.arange(1, len(scores) + 1)
-    for value in np.unique(scores[np.diff(np.sort(scores), prepend=np.nan) == 0]):
-        tied = scores == value
-        ranks[tied] = ranks[tied].mean()
-    return float((ranks[: len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
+from quality_web import per_noise_type_auroc
 
 
 def gsc_scores(u: np.ndarray, v: np.ndarray, k: int) -> np.ndarray:
@@ -84,16 +73,12 @@ def screen(seed_dir: Path, view: str, k: int) -> dict:
         scores["ensemble_rounds_1_2"] = (scores["published"] + scores["published_round2"]) / 2
     for name in [n for n in ("published", "assign") if n in scores]:
         scores[f"min_{name}_gsc"] = np.minimum(ranks(scores[name]), ranks(scores["gsc"]))
-    kinds = truth.reindex(keys)
-    clean = (kinds["degree"] == 1.0).to_numpy()
-    mismatched = (kinds["degree"] == 0.0).to_numpy()
-    noise = kinds["noise_type"].to_numpy()
+    rows = truth.reindex(keys)
+    kind, noise = rows["kind"].to_numpy(), rows["noise_type"].to_numpy()
     out = {"seed_dir": str(seed_dir), "view": view, "k": k, "pairs": len(keys)}
     for name, score in scores.items():
-        out[f"{name}.all"] = round(auroc(score[clean], score[mismatched]), 4)
-        for kind in sorted(set(noise[mismatched])):
-            neg = mismatched & (noise == kind)
-            out[f"{name}.{kind}"] = round(auroc(score[clean], score[neg]), 4)
+        for kind_name, value in per_noise_type_auroc(score, noise, kind).items():
+            out[f"{name}.{kind_name}"] = None if value is None else round(value, 4)
     return out
 
 
@@ -108,7 +93,9 @@ def main() -> None:
             rows.append(screen(seed_dir, view, args.k))
             print(json.dumps(rows[-1]), flush=True)
     names = [n for n in rows[0] if "." in n]
-    medians = {n: round(statistics.median(r[n] for r in rows if n in r), 4) for n in names}
+    medians = {
+        n: round(statistics.median(r[n] for r in rows if r.get(n) is not None), 4) for n in names
+    }
     print(json.dumps({"figure": "gsc_screen_medians", "k": args.k, **medians}), flush=True)
 
 

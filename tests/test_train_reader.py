@@ -20,9 +20,14 @@ from shard_fixtures import write_tar
 from test_pixels import SIZES, scene_jpeg
 
 from pipeline.core.coteach import Phase
-from pipeline.io.admitted import SHARD_BYTES_KEY, SHARD_SHA256_KEY, ShardChangedError
+from pipeline.io.admitted import (
+    SHARD_BYTES_KEY,
+    SHARD_SHA256_KEY,
+    ShardChangedError,
+    file_signature,
+)
 from pipeline.io.decode import DecodeOptions
-from pipeline.io.pixel_cache import PixelCache, file_signature
+from pipeline.io.pixel_cache import PixelCache
 from pipeline.models import ModelSpec, load_transforms
 from pipeline.models.encode import normalize_pixels, pixel_spec
 from pipeline.stages.train.data import read_training_batches
@@ -131,7 +136,7 @@ def test_second_read_comes_from_the_cache_bit_for_bit(shard, tmp_path, monkeypat
     path, expected = shard
     cache = PixelCache(str(tmp_path / "cache"), 10**9)
     first = _cached_read(path, cache)
-    entries = list((tmp_path / "cache").glob("00000-64px-*.npz"))
+    entries = list((tmp_path / "cache").glob("00000-64px-*.parquet"))
     assert len(entries) == 1
     _same_batches(first, _read(path))  # the cache changes nothing in the first read
     monkeypatch.setattr("pipeline.stages.train.data.decode_image", _refuse_decode)
@@ -186,14 +191,14 @@ def test_a_rewritten_shard_is_read_again(shard, tmp_path, monkeypatch):
         _cached_read(str(copy), cache)
     monkeypatch.undo()
     _same_batches(first, _cached_read(str(copy), cache))
-    assert len(list((tmp_path / "cache").glob("*.npz"))) == 2
+    assert len(list((tmp_path / "cache").glob("*.parquet"))) == 2
 
 
 def test_a_broken_entry_is_decoded_again_and_rewritten(shard, tmp_path, caplog):
     path, _ = shard
     cache = PixelCache(str(tmp_path), 10**9)
     first = _cached_read(path, cache)
-    (entry,) = tmp_path.glob("*.npz")
+    (entry,) = tmp_path.glob("*.parquet")
     entry.write_bytes(entry.read_bytes()[:1000])  # cut, as a full disk or a crash would
     _same_batches(first, _cached_read(path, cache))
     assert "does not load" in caplog.text
@@ -211,7 +216,7 @@ def _store(cache: PixelCache, path, keys=("k", "bad")) -> bool:
 
 def test_the_budget_evicts_unused_entries_least_recently_used_first(tmp_path):
     cache = PixelCache(str(tmp_path), 60_000)  # two entries of 24,576 bytes of pixels fit
-    paths = [tmp_path / f"s{i}-64px-x.npz" for i in range(3)]
+    paths = [tmp_path / f"s{i}-64px-x.parquet" for i in range(3)]
     for i, path in enumerate(paths[:2]):
         assert _store(cache, path)
         os.utime(path, (1000 + i, 1000 + i))  # last used in 1970: stale
@@ -222,9 +227,9 @@ def test_the_budget_evicts_unused_entries_least_recently_used_first(tmp_path):
     assert _store(cache, paths[2])
     assert [p.exists() for p in paths] == [True, False, True]
     assert not paths[1].with_suffix(".npy").exists()  # an entry goes with its pixels
-    assert not _store(PixelCache(str(tmp_path), 10_000), tmp_path / "big.npz")
+    assert not _store(PixelCache(str(tmp_path), 10_000), tmp_path / "big.parquet")
     # Entries in use (read within STALE_S) stay: a corpus larger than the budget does not churn.
-    assert not _store(cache, tmp_path / "s3-64px-x.npz")
+    assert not _store(cache, tmp_path / "s3-64px-x.parquet")
     assert [p.exists() for p in paths] == [True, False, True]
     assert not [f for f in tmp_path.iterdir() if ".tmp-" in f.name]  # nothing left half-written
     off = PixelCache(str(tmp_path), 0)

@@ -11,16 +11,19 @@ Contract (docs/architecture.md §4.1, "Broken, changed and repeated shards"):
   never mixed with its earlier embeddings or labels (:class:`ShardChangedError`).
 * The driver checks, before each stage that reads tars, that every shard still exists with its
   recorded size (:func:`changed_shards`, one ``stat`` per shard); a missing or resized shard is
-  left out of the rest of the run and reported.
+  left out of the rest of the run and reported. :func:`file_signature` tells a rewritten file
+  from the same one without reading it (the training readers' pixel cache finds entries by it).
 * :func:`read_embeddings_footer` is the one reader of an embeddings table's footer (row count,
   stage key, fingerprint, the embed pass's other `ncl.*` entries) without reading its data.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from pipeline.io.layout import STAGE_KEY_META
+from pipeline.io.paths import filesystem, is_local
 from pipeline.io.shard_patterns import split_source
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "ShardChangedError",
     "ShardReference",
     "changed_shards",
+    "file_signature",
     "fingerprint_change",
     "read_embeddings_footer",
     "read_reference",
@@ -129,6 +133,29 @@ def shard_size(path: str) -> int | None:
         return int(fs.info(paths[0])["size"])
     except (FileNotFoundError, OSError, KeyError, ValueError):
         return None
+
+
+# Object-store fields that change when an object is rewritten (s3fs, gcsfs, adlfs, ...).
+_VERSION_FIELDS = ("ETag", "etag", "generation", "md5Hash", "LastModified", "mtime")
+
+
+def file_signature(location: str) -> str | None:
+    """What changes when the shard at `location` (a local path or URL, maybe tagged with its
+    source) is rewritten: its size, modification time in ns and inode, or an object store's
+    size and version fields; None when it cannot be told (a `pipe:` command)."""
+    path = split_source(location)[1]
+    if path.startswith("pipe:"):
+        return None
+    try:
+        fs, fs_path = filesystem(path)
+        if is_local(fs):
+            stat = os.stat(fs_path)
+            return f"{stat.st_size}-{stat.st_mtime_ns}-{stat.st_ino}"
+        info = fs.info(fs_path)
+    except (OSError, ValueError):
+        return None
+    version = [str(info[name]) for name in _VERSION_FIELDS if info.get(name) is not None]
+    return f"{info.get('size')}-{'-'.join(version)}" if version else None
 
 
 def changed_shards(recorded: dict[str, tuple[str, int | None]]) -> dict[str, str]:

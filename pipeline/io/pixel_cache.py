@@ -5,19 +5,19 @@ Contract:
 - An entry holds what a reader needs of one shard: its samples' keys and captions in tar order
   (those that pass the record checks), their uint8 (3, size, size) pixels (`ok` False: the
   image did not decode), and the tar's size and SHA-256 as read.
-- It is found before the tar is opened, by the shard's name and file signature (size and
-  modification time, or an object store's ETag: `file_signature`), the pixel size, the decode
-  options and the PIL and torchvision versions; a rewritten shard, another resolution or
-  decoder never reads an entry made for something else, and the recorded SHA-256 is what the
-  readers compare with the embed pass's fingerprint.
-- Pixels come back bit-identical to decoding again (uint8 stored as is): the cache changes
-  speed only, hence `train.pixel_cache_*` are resource-only settings.
-- An entry is an index (`.npz`: keys, captions, flags, size and SHA-256; written last, through
-  `open_atomic`) and its pixels (`.npy`, memory-mapped: a reader keeps no decoded shard in its
-  own memory, whether it writes the entry or reads it); one that does not load is ignored
-  with one warning and written again. Entries are added while the folder stays under
-  the budget; to make room, entries unused for `STALE_S` are removed, least recently used
-  first, never ones a running job reads; a budget of 0 turns the cache off.
+- It is found before the tar is opened, by the shard's location and file signature (size and
+  modification time, or an object store's ETag: `pipeline.io.admitted.file_signature`), the
+  pixel size, the decode options and the PIL and torchvision versions; a rewritten shard,
+  another resolution or decoder never reads an entry made for something else, and the
+  recorded SHA-256 is what the readers compare with the embed pass's fingerprint.
+- Pixels come back bit-identical to decoding again: `train.pixel_cache_*` are resource-only.
+- An entry is an index (a Parquet table: keys, captions, flags, and the size and SHA-256 in
+  its metadata; written last, through `write_table_atomic`) and its pixels (`.npy`,
+  memory-mapped: a reader keeps no decoded shard in its own memory, whether it writes the
+  entry or reads it); one that does not load is ignored with one warning and written again.
+  Entries are added while the folder stays under the budget; to make room, entries unused
+  for `STALE_S` are removed, least recently used first, never ones a running job reads; a
+  budget of 0 turns the cache off.
 """
 
 from __future__ import annotations
@@ -32,45 +32,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
-from pipeline.io.paths import filesystem, is_local
-from pipeline.io.shard_patterns import split_source
-from pipeline.io.tables import open_atomic
+from pipeline.io.admitted import SHARD_BYTES_KEY, SHARD_SHA256_KEY
+from pipeline.io.tables import read_table, write_table_atomic
 
-__all__ = ["CachedShard", "PixelCache", "PixelWriter", "default_cache_dir", "file_signature"]
+__all__ = ["CachedShard", "PixelCache", "PixelWriter", "default_cache_dir"]
 
 logger = logging.getLogger(__name__)
-SUFFIX = ".npz"
+SUFFIX = ".parquet"  # an entry's index; its pixels: the same name, ".npy"
 TEMP = ".tmp-"  # open_atomic's temporary names (`pipeline.io.tables.TEMP_SUFFIX`)
 # Only entries unused this long are evicted: a running job reads each of its entries every
 # epoch, so a corpus larger than the budget keeps the entries it has instead of replacing
 # them in every epoch's shard order (writes that would never be read).
 STALE_S = 6 * 3600
-_VERSION_FIELDS = ("ETag", "etag", "generation", "md5Hash", "LastModified", "mtime")
 
 
 def default_cache_dir() -> str:
     """`<temp dir>/ncl-pixel-cache` of the node the reader runs on."""
     return os.path.join(tempfile.gettempdir(), "ncl-pixel-cache")
-
-
-def file_signature(location: str) -> str | None:
-    """What changes when the shard at `location` (a local path or URL, maybe tagged with its
-    source) is rewritten: its size, modification time in ns and inode, or an object store's
-    size and version fields; None when it cannot be told (a `pipe:` command: not cached)."""
-    path = split_source(location)[1]
-    if path.startswith("pipe:"):
-        return None
-    try:
-        fs, fs_path = filesystem(path)
-        if is_local(fs):
-            stat = os.stat(fs_path)
-            return f"{stat.st_size}-{stat.st_mtime_ns}-{stat.st_ino}"
-        info = fs.info(fs_path)
-    except (OSError, ValueError):
-        return None
-    version = [str(info[name]) for name in _VERSION_FIELDS if info.get(name) is not None]
-    return f"{info.get('size')}-{'-'.join(version)}" if version else None
 
 
 def _library_versions() -> str:
@@ -80,17 +60,9 @@ def _library_versions() -> str:
     return f"pil{PIL.__version__}-tv{torchvision.__version__}"
 
 
-def _pack(strings: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Strings as UTF-8 bytes and their end offsets (numpy's own strings drop trailing NULs)."""
-    blobs = [s.encode() for s in strings]
-    ends = np.cumsum([len(b) for b in blobs], dtype=np.int64)
-    return np.frombuffer(b"".join(blobs), dtype=np.uint8), ends
-
-
-def _unpack(data, name: str) -> list[str]:
-    raw, ends = data[name].tobytes(), data[f"{name}_ends"].tolist()
-    starts = [0, *ends[:-1]] if ends else []
-    return [raw[a:b].decode() for a, b in zip(starts, ends, strict=True)]
+# An entry's index: its samples in tar order; the tar's size and SHA-256 in the metadata, under
+# the keys of the embeddings footer's fingerprint.
+INDEX_SCHEMA = pa.schema([("key", pa.string()), ("caption", pa.string()), ("ok", pa.bool_())])
 
 
 @dataclass(frozen=True)
@@ -129,18 +101,9 @@ class PixelWriter:
         try:
             self.pixels.flush()
             os.replace(self._tmp, self.path.with_suffix(".npy"))
-            keys_bytes, keys_ends = _pack(keys)
-            captions_bytes, captions_ends = _pack(captions)
-            with open_atomic(self.path) as handle:
-                np.savez(
-                    handle,
-                    keys=keys_bytes,
-                    keys_ends=keys_ends,
-                    captions=captions_bytes,
-                    captions_ends=captions_ends,
-                    ok=self.ok,
-                    meta=np.array([str(size), sha256]),
-                )
+            index = pa.table({"key": keys, "caption": captions, "ok": self.ok})
+            metadata = {SHARD_BYTES_KEY: str(size), SHARD_SHA256_KEY: sha256}
+            write_table_atomic(index, str(self.path), INDEX_SCHEMA.with_metadata(metadata))
         except OSError as exc:  # a full or read-only disk: train on, decoding
             logger.warning("pixel cache %s not written (%s)", self.path, exc)
             self.discard()
@@ -176,9 +139,13 @@ class PixelCache:
         if not self.enabled or not path.exists():
             return None
         try:
-            with np.load(path, allow_pickle=False) as data:
-                keys, captions = _unpack(data, "keys"), _unpack(data, "captions")
-                ok, meta = data["ok"], data["meta"].tolist()
+            index = read_table(str(path))
+            metadata = index.schema.metadata or {}
+            keys = index.column("key").to_pylist()
+            captions = index.column("caption").to_pylist()
+            ok = index.column("ok").to_numpy(zero_copy_only=False)
+            size = int(metadata[SHARD_BYTES_KEY.encode()])
+            sha256 = metadata[SHARD_SHA256_KEY.encode()].decode()
             pixels = np.load(path.with_suffix(".npy"), mmap_mode="r", allow_pickle=False)
             if pixels.dtype != np.uint8 or pixels.ndim != 4 or pixels.shape[1] != 3:
                 raise ValueError(f"pixels {pixels.dtype} {pixels.shape}")
@@ -189,7 +156,7 @@ class PixelCache:
             logger.warning("pixel cache %s does not load (%s: %s); decoding", path, name, exc)
             return None
         os.utime(path)  # recently used: not evicted
-        return CachedShard(keys, captions, ok, pixels, int(meta[0]), str(meta[1]))
+        return CachedShard(keys, captions, ok, pixels, size, sha256)
 
     def writer(self, path: Path, rows: int, size: int) -> PixelWriter | None:
         """A writer for an entry of `rows` images of `size` px, or None when it cannot fit
@@ -213,7 +180,7 @@ class PixelCache:
             except FileNotFoundError:  # another reader evicted or renamed it meanwhile
                 continue
             name = file.name
-            stem = name[: -len(SUFFIX)] if name.endswith((SUFFIX, ".npy")) else name
+            stem = name if TEMP in name else name.removesuffix(SUFFIX).removesuffix(".npy")
             entry = entries.setdefault(stem, [stat.st_mtime, 0, []])
             if file.suffix == SUFFIX or TEMP in file.name:
                 entry[0] = stat.st_mtime  # an index's (or a temp file's) time is its use

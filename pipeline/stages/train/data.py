@@ -33,10 +33,15 @@ from pipeline.core.coteach import (
     proxy_image_weights,
     training_targets,
 )
-from pipeline.io.admitted import ShardChangedError, fingerprint_change, read_reference
+from pipeline.io.admitted import (
+    ShardChangedError,
+    file_signature,
+    fingerprint_change,
+    read_reference,
+)
 from pipeline.io.decode import decode_image
 from pipeline.io.layout import RunLayout
-from pipeline.io.pixel_cache import PixelCache, PixelWriter, file_signature
+from pipeline.io.pixel_cache import PixelCache, PixelWriter
 from pipeline.io.shards import (
     DecodeOptions,
     Rejection,
@@ -454,18 +459,18 @@ def read_training_batches(
         reference = read_reference(f"{admitted_dir}/{shard}.parquet") if admitted_dir else None
         images = reads.read(path, keep=reference is None)
         try:
-            yield from _shard_batches(
-                images, path, reference, labels, view, (epoch, phase), text_proxies, tokenizer,
-                rows_per_batch,
-            )  # fmt: skip
+            extras = (text_proxies or {}).get(shard, [])
+            rows = (view, epoch, phase, labels, extras)
+            yield from _shard_batches(images, path, reference, rows, tokenizer, rows_per_batch)
             images.finish()
         finally:
             images.discard()  # an entry left unfinished (an error, or the pipeline closed)
 
 
-def _shard_batches(images, path, reference, labels, view, when, text_proxies, tokenizer, rows):
-    """One shard's training batches (see `read_training_batches`); `when`: (epoch, phase)."""
-    (epoch, phase), read, shard = when, images.shard, images.name
+def _shard_batches(images: _Images, path: str, reference, rows: tuple, tokenizer, size: int):
+    """One shard's training batches of at most `size` rows (see `read_training_batches`);
+    `rows`: what its rows are made of, (view, epoch, phase, labels, text proxy rows)."""
+    (view, epoch, phase, labels, extras), read, shard = rows, images.shard, images.name
     changed = reference and fingerprint_change(path, reference, read.size, read.sha256)
     if changed:
         raise ShardChangedError(f"{changed}; rerun to embed it again")
@@ -478,11 +483,11 @@ def _shard_batches(images, path, reference, labels, view, when, text_proxies, to
     if reference is None:  # no embed pass checked them: decode now, keep what decodes
         picks = [i for i in picks if images.get(i, warn=False) is not None]
     samples = [read.samples[i] for i in picks]
-    table = _shard_rows(view, phase, labels, samples, (text_proxies or {}).get(shard, []))
+    table = _shard_rows(view, phase, labels, samples, extras)
     order = np.random.default_rng([view.seed, epoch, zlib.crc32(shard.encode())])
     order = order.permutation(len(table["sample"]))
-    for start in range(0, len(order), rows):
-        chunk = order[start : start + rows]
+    for start in range(0, len(order), size):
+        chunk = order[start : start + size]
         pixels = [images.get(picks[table["sample"][row]]) for row in chunk]
         kept = np.array([p is not None for p in pixels], dtype=bool)
         chunk = chunk[kept]
