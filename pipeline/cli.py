@@ -16,7 +16,6 @@ The library logs through module loggers; every command shows them on the termina
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Literal
 
@@ -379,4 +378,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

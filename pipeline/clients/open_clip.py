@@ -18,6 +18,8 @@ import functools
 import inspect
 import logging
 import sys
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["main"]
 
@@ -33,7 +35,7 @@ def _fix_webdataset_eof_marker() -> bool:
     import open_clip_train.data as data
     from webdataset import tariterators
 
-    expander = tariterators.tar_file_expander
+    expander: Callable[..., Any] = tariterators.tar_file_expander
     if "eof_value" not in inspect.signature(expander).parameters:
         return False  # webdataset < 0.2.96: no marker, nothing to fix
     if getattr(data, "tar_file_expander", None) is not expander:

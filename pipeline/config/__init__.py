@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 
 from pipeline.config.sections import (  # noqa: F401  (the public names of the config)
     IDENTITY,
@@ -248,7 +249,7 @@ def _field_path(
     return path, owner
 
 
-def _describe_error(error: dict[str, Any]) -> str:
+def _describe_error(error: ErrorDetails) -> str:
     kind = error["type"]
     path, owner = _field_path(tuple(error["loc"]), unknown_last=kind == "extra_forbidden")
     dotted = ".".join(path) or "(top level)"

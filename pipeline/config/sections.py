@@ -14,12 +14,15 @@ import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import JsonDict
 
 from pipeline.core.labels import LABEL_METHODS
 
 # Markers in json_schema_extra, so the JSON schema and docs/config.md show them too.
-RESOURCES_ONLY = {"resources_only": True}  # a rerun that changes only these reuses everything
-IDENTITY = {"identity": True}  # paths and names; shards are keyed by name and size, not path
+# RESOURCES_ONLY: a rerun that changes only these reuses everything.
+RESOURCES_ONLY: JsonDict = {"resources_only": True}
+# IDENTITY: paths and names; shards are keyed by name and size, not path.
+IDENTITY: JsonDict = {"identity": True}
 
 
 class _Section(BaseModel):
@@ -97,6 +100,7 @@ class InputConfig(_Section):
     def shard_specs(self) -> list[tuple[str | None, str | list[str]]]:
         """(source name, shard spec) per source; (None, input.shards) for one unnamed source."""
         if self.sources is None:
+            assert self.shards is not None  # _shards_or_sources
             return [(None, self.shards)]
         return [(source.name, source.shards) for source in self.sources]
 

@@ -14,6 +14,7 @@ Contract:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,10 @@ LABEL_KINDS = ("clean", "partial", "mismatched")  # ground-truth pair kinds of a
 
 
 def histogram_quantiles(
-    counts, quantiles, low: float = 0.0, high: float = 1.0
+    counts: Sequence[float] | np.ndarray,
+    quantiles: Sequence[float],
+    low: float = 0.0,
+    high: float = 1.0,
 ) -> list[float | None]:
     """Quantiles of values known only by their histogram (e.g. pooled over training workers).
 

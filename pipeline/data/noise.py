@@ -166,12 +166,12 @@ def _assign_donors(
             n_differences(samples[receiver].scene, samples[donor].scene) >= MIN_MISMATCH_DIFF
         )
 
-    receivers = [int(r) for r in receivers]
-    donor = dict(zip(receivers, (int(d) for d in rng.permutation(receivers)), strict=True))
+    rows = [int(r) for r in receivers]
+    donor = dict(zip(rows, (int(d) for d in rng.permutation(rows)), strict=True))
     captions: dict[int, str] = {}
-    for r in receivers:
+    for r in rows:
         if not ok(r, donor[r]):
-            for other in rng.permutation(receivers):
+            for other in rng.permutation(rows):
                 other = int(other)
                 if ok(r, donor[other]) and ok(other, donor[r]):
                     donor[r], donor[other] = donor[other], donor[r]
@@ -184,7 +184,7 @@ def _assign_donors(
                 break
         else:
             captions[r] = _unrelated_caption(samples[r], rng)
-    for r in receivers:
+    for r in rows:
         captions.setdefault(r, samples[donor[r]].caption)
     return captions
 

@@ -22,6 +22,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -164,28 +165,33 @@ class CorpusSummary:
 # Writing
 
 
-def _write_ground_truth(path: Path, samples: Sequence[Sample | WebSample], params: dict) -> None:
+def _write_ground_truth(
+    path: Path, samples: Sequence[Sample] | Sequence[WebSample], params: dict
+) -> None:
     """Write ground_truth.v1 for ``Sample`` rows (ncr), ground_truth.v2 for ``WebSample`` rows."""
-    web = bool(samples) and isinstance(samples[0], WebSample)
-    base = [row.sample for row in samples] if web else samples
-    columns = {
+    rows = [row for row in samples if isinstance(row, WebSample)]
+    web = bool(rows)
+    base = [row.sample for row in rows] if web else [s for s in samples if isinstance(s, Sample)]
+    if len(base) != len(samples):
+        raise TypeError(f"{path}: ground truth rows are all Sample (ncr) or all WebSample (web)")
+    columns: dict[str, list[Any]] = {
         "key": [s.key for s in base],
         "shard": [s.shard for s in base],
         "kind": [s.kind for s in base],
-        "degree": [row.degree for row in samples] if web else [KIND_DEGREES[s.kind] for s in base],
-        "caption": [row.caption for row in samples] if web else [s.caption for s in base],
+        "degree": [row.degree for row in rows] if web else [KIND_DEGREES[s.kind] for s in base],
+        "caption": [row.caption for row in rows] if web else [s.caption for s in base],
         "noisy_caption": [s.noisy_caption for s in base],
         "changed_attribute": [s.changed_attribute for s in base],
         "corrupt": [s.corrupt for s in base],
     }
     if web:
         columns |= {
-            "noise_type": [row.noise_type for row in samples],
-            "cluttered": [bool(row.look.distractors) for row in samples],
-            "low_contrast": [row.look.contrast is not None for row in samples],
-            "caption_style": [row.caption_style for row in samples],
-            "page": [row.page for row in samples],
-            "duplicate_of": [row.duplicate_of for row in samples],
+            "noise_type": [row.noise_type for row in rows],
+            "cluttered": [bool(row.look.distractors) for row in rows],
+            "low_contrast": [row.look.contrast is not None for row in rows],
+            "caption_style": [row.caption_style for row in rows],
+            "page": [row.page for row in rows],
+            "duplicate_of": [row.duplicate_of for row in rows],
         }
     base_schema = GROUND_TRUTH_V2_SCHEMA if web else GROUND_TRUTH_SCHEMA
     schema = base_schema.with_metadata(
@@ -585,7 +591,7 @@ def make_corpus(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _clear_previous(out)
-    params = {
+    params: dict[str, Any] = {
         "samples": samples,
         "noise": noise,
         "partial": partial,

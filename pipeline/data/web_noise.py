@@ -208,9 +208,9 @@ class WebNoise:
             raise ValueError(
                 f"web.near_dup_quality must be 1 <= low <= high <= 95, got {low, high}"
             )
-        low, high = self.contrast
-        if not 0 < low <= high:
-            raise ValueError(f"web.contrast must be 0 < low <= high, got {low, high}")
+        dim, vivid = self.contrast
+        if not 0 < dim <= vivid:
+            raise ValueError(f"web.contrast must be 0 < low <= high, got {dim, vivid}")
 
 
 @dataclass(frozen=True)
@@ -420,7 +420,10 @@ def _noisy(row: WebSample, noise_type: str, text: str, **changes) -> WebSample:
 
 
 def _duplicates(
-    rows: list[WebSample], pages: dict[int, list[int]], params: WebNoise, rng: np.random.Generator
+    rows: list[WebSample],
+    pages: dict[int | None, list[int]],
+    params: WebNoise,
+    rng: np.random.Generator,
 ) -> tuple[dict[int, int], dict[int, int]]:
     """Pick near-duplicate rows (copying a same-page row) and exact ones (copying any row).
 
@@ -462,7 +465,7 @@ def _sibling_caption(
     i: int,
     scene: Scene,
     rows: list[WebSample],
-    pages: dict[int, list[int]],
+    pages: dict[int | None, list[int]],
     excluded: set[int],
     rng: np.random.Generator,
 ) -> int | None:
@@ -482,7 +485,7 @@ def _copy_images(
     out: list[WebSample],
     near: dict[int, int],
     exact: dict[int, int],
-    pages: dict[int, list[int]],
+    pages: dict[int | None, list[int]],
     params: WebNoise,
     rng: np.random.Generator,
 ) -> None:
@@ -545,7 +548,7 @@ def apply_web_noise(
     """
     n = len(rows)
     out = list(rows)
-    pages: dict[int, list[int]] = {}
+    pages: dict[int | None, list[int]] = {}
     for i, row in enumerate(rows):
         pages.setdefault(row.page, []).append(i)
 

@@ -201,8 +201,8 @@ def open_embeddings_folder(path: str, key_column: str = "auto") -> EmbeddingsFol
             f"{path}: its parts differ in (dim, dtype, key column): {sorted(shapes)}; "
             "a folder must come from one model and one clip-retrieval run"
         )
-    dim, dtype, column = shapes.pop()
-    return EmbeddingsFolder(path, tuple(parts), dim, dtype, column, folder_token(path))
+    dim, dtype_name, column = shapes.pop()
+    return EmbeddingsFolder(path, tuple(parts), dim, dtype_name, column, folder_token(path))
 
 
 def check_dim(folder: EmbeddingsFolder, dim: int | None, model: str) -> None:

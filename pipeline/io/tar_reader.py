@@ -94,7 +94,7 @@ class _RecordingTarInfo(tarfile.TarInfo):
     """
 
     @classmethod
-    def fromtarfile(cls, tarfile_obj: tarfile.TarFile) -> tarfile.TarInfo:
+    def fromtarfile(cls, tarfile_obj: tarfile.TarFile) -> _RecordingTarInfo:
         try:
             return super().fromtarfile(tarfile_obj)
         except tarfile.HeaderError as exc:
@@ -192,7 +192,7 @@ def _finish(done: _Group, shard: str, stats: ShardReadStats) -> RawRecord | Reje
 def _end_of_archive_error(archive: tarfile.TarFile) -> str | None:
     """Why the archive ended without a proper end-of-archive marker, or None if it had one."""
     header_error = getattr(archive, "_ncl_header_error", None)
-    if header_error is not None and not isinstance(header_error, tarfile.EOFHeaderError):
+    if header_error is not None and not isinstance(header_error, tarfile.EOFHeaderError):  # type: ignore[attr-defined]
         # Only an all-zero block ends a tar; anything else here means it was cut.
         return (
             f"{type(header_error).__name__}: {header_error or 'no data'} "
@@ -294,7 +294,7 @@ def _iter_archive(
                 return broken(end_error)
             break
         # Stream mode keeps every TarInfo in .members; drop them so memory stays flat.
-        archive.members = []
+        archive.members = []  # type: ignore[attr-defined]
         stats.members_total += 1
         name = info.name
         key, ext = _split_member_name(name)
@@ -361,7 +361,7 @@ def iter_shard_records(
         fileobj = _HashingReader(raw)
         try:
             # Closed by the with below; a failed open needs its own error naming the path.
-            archive = tarfile.open(  # noqa: SIM115
+            archive = tarfile.open(  # type: ignore[call-overload]  # noqa: SIM115
                 fileobj=fileobj, mode="r|*", tarinfo=_RecordingTarInfo
             )
         except Exception as exc:  # ReadError, CompressionError, EOFError, transport errors

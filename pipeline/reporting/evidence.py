@@ -11,6 +11,8 @@ nothing is written. A run without the round's embeddings (deleted `rounds/`) giv
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 __all__ = ["merge_topk", "retrieved_captions"]
@@ -27,7 +29,7 @@ def merge_topk(
     return np.take_along_axis(all_scores, order, 1), np.take_along_axis(all_ids, order, 1)
 
 
-def _files(run_dir: str, round_index: int) -> tuple[object, list[str]]:
+def _files(run_dir: str, round_index: int) -> tuple[Any, list[str]]:
     from pipeline.io.layout import RunLayout
     from pipeline.io.paths import filesystem, parquet_files
 
@@ -44,7 +46,8 @@ def retrieved_captions(
     from pipeline.io.tables import embedding_matrix
 
     fs, files = _files(run_dir, round_index)
-    wanted, queries = set(keys), {}
+    wanted = set(keys)
+    queries: dict[str, np.ndarray] = {}
     for path in files:
         with fs.open(path, "rb") as handle:
             table = pq.read_table(handle, columns=["key", f"image_embedding_{view}"])

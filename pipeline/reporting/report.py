@@ -188,7 +188,7 @@ def _thumbnails(wanted: dict[str, list[str]], shard_paths: dict[str, str], fs, f
                     continue
                 remaining.discard(record.key)
                 sample = decode_record(record)
-                if not hasattr(sample, "image"):
+                if not hasattr(sample, "image") or sample.image is None:
                     continue
                 image = sample.image.copy()
                 image.thumbnail((THUMB_SIZE, THUMB_SIZE))

@@ -15,6 +15,7 @@ import logging
 import os
 import traceback
 from collections.abc import Callable
+from typing import TypeGuard
 
 from pipeline.errors import RunFailedError, inner_exception, root_cause
 
@@ -46,7 +47,7 @@ def _under(path: str, output: str) -> bool:
     return path == output or path.startswith(output.rstrip("/") + "/")
 
 
-def _output_fault(root: BaseException, output: str) -> bool:
+def _output_fault(root: BaseException, output: str) -> TypeGuard[OSError]:
     """An error writing the output: a full disk or quota (whatever the path: a write that
     fills the disk often has none), or no permission on a path inside the output."""
     if not isinstance(root, OSError) or root.errno not in _OUTPUT_ERRORS:
@@ -57,6 +58,7 @@ def _output_fault(root: BaseException, output: str) -> bool:
 
 
 def _output_message(root: OSError, stage: str, output: str, space_note: str) -> str:
+    assert root.errno is not None  # _output_fault found it in _OUTPUT_ERRORS
     what, fix = _OUTPUT_ERRORS[root.errno]
     path = root.filename or output
     note = f" {space_note}" if space_note and root.errno in (errno.ENOSPC, errno.EDQUOT) else ""

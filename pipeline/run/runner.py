@@ -121,6 +121,7 @@ def _run_held(job, layout: RunLayout, shard_paths, manifest, interrupts: Interru
             job, layout, records, embedded_pairs(run.metrics, shard_paths)
         )
         raise explain_failure(exc, run.stage, layout.output, space_note=note) from exc
+    assert run is not None  # set before _run_stages, the one source of _StopAfter
     return run.metrics
 
 

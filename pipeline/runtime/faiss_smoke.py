@@ -122,11 +122,11 @@ def faiss_gpu_problem(devices: list[int], snippet: str = SMOKE_SNIPPET) -> str |
     if seen <= max(devices):
         failure = f"faiss sees {seen} GPU(s)"
     else:
-        failure = faiss_kernel_failure(devices, snippet)
-        if failure is None:
+        kernel_failure = faiss_kernel_failure(devices, snippet)
+        if kernel_failure is None:
             _passed.add(tuple(devices))
             return None
-        failure = f"a FAISS GPU kernel (flat index add + search) failed: {failure}"
+        failure = f"a FAISS GPU kernel (flat index add + search) failed: {kernel_failure}"
     return (
         f"{failure}; the installed wheel is {faiss_wheel()} and the GPU is {gpu_capabilities()}: "
         f"install {FAISS_GPU_WHEEL} (kernels for compute capability 7.0 to 9.0), "

@@ -107,8 +107,11 @@ class _WandB:
         self.run.finish()
 
 
-TRACKERS = {"tensorboard": _TensorBoard, "wandb": _WandB}
-_active: list = []  # the open tracker of the running job (at most one)
+TRACKERS: dict[str, type[_TensorBoard] | type[_WandB]] = {
+    "tensorboard": _TensorBoard,
+    "wandb": _WandB,
+}
+_active: list[_TensorBoard | _WandB] = []  # the open tracker of the running job (at most one)
 
 
 def _yaml(config: Mapping[str, Any]) -> str:

@@ -8,6 +8,8 @@ through this dict, so a new method is one module plus one entry here.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from pipeline.core.labels import assign, bicro, cosine, rcr, sps
@@ -123,7 +125,7 @@ def get_method(name: str) -> LabelMethod:
 
 
 def label_shard(
-    method: LabelMethod, inputs: ShardInputs, neighbours: NeighbourSearch | None, params
+    method: LabelMethod, inputs: ShardInputs, neighbours: NeighbourSearch | None, params: Any
 ) -> ShardLabels:
     """`method`'s labels of one shard with the rules every method shares: rows whose loss is
     not finite (no posterior) are noisy with label 0; labels are clipped to [0, 1] float32."""

@@ -21,6 +21,8 @@ Contract:
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from pipeline.core.labels.base import IndexRole, ShardInputs, ShardLabels
@@ -63,7 +65,8 @@ def _logsumexp(x: np.ndarray, axis: int) -> np.ndarray:
     peak = np.where(np.isfinite(peak), peak, 0.0)
     with np.errstate(divide="ignore"):
         out = np.log(np.exp(x - peak).sum(axis=axis, keepdims=True)) + peak
-    return np.squeeze(out, axis=axis)
+    squeezed: np.ndarray = np.squeeze(out, axis=axis)
+    return squeezed
 
 
 def partial_sinkhorn(
@@ -135,7 +138,9 @@ def partial_sinkhorn(
 _SCALING_SPAN = 250.0
 
 
-def _scaling_sinkhorn(kernel, log_marginal, valid, iterations: int) -> np.ndarray:
+def _scaling_sinkhorn(
+    kernel: np.ndarray, log_marginal: np.ndarray, valid: np.ndarray, iterations: int
+) -> np.ndarray:
     """Sinkhorn's matrix scaling on exp(kernel) (-inf entries: 0); (Q, M + 1, M + 1) plans."""
     finite = np.isfinite(kernel)
     shift = np.where(finite, kernel, -np.inf).max(axis=(1, 2), keepdims=True)
@@ -151,10 +156,13 @@ def _scaling_sinkhorn(kernel, log_marginal, valid, iterations: int) -> np.ndarra
             row = np.divide(marginal, sums, out=np.zeros_like(row), where=sums > 0)
             sums = np.einsum("qij,qi->qj", k, row)
             col = np.divide(marginal, sums, out=np.zeros_like(col), where=sums > 0)
-        return row[:, :, None] * k * col[:, None, :]
+        plan: np.ndarray = row[:, :, None] * k * col[:, None, :]
+        return plan
 
 
-def _log_sinkhorn(kernel, log_marginal, valid, iterations: int) -> np.ndarray:
+def _log_sinkhorn(
+    kernel: np.ndarray, log_marginal: np.ndarray, valid: np.ndarray, iterations: int
+) -> np.ndarray:
     """The same iteration in the log domain (any span); (Q, M + 1, M + 1) plans."""
     q = kernel.shape[0]
     alpha = np.zeros((q, kernel.shape[1]))  # row potentials / epsilon
@@ -252,8 +260,8 @@ def assign_block(
     q, m_pad = valid.shape
     rows = np.arange(q)
     size = valid.sum(axis=1)
-    options = dict(epsilon=epsilon, iterations=iterations)
-    plan = partial_sinkhorn(logits, valid, mass, **options)  # (Q, M + 1, M + 1)
+    # (Q, M + 1, M + 1)
+    plan = partial_sinkhorn(logits, valid, mass, epsilon=epsilon, iterations=iterations)
     own = plan[rows, position, position]
     if score == "share":
         value = size * own
@@ -271,7 +279,11 @@ def assign_block(
         "size": size.astype(np.int64),
     }
     if rematch is not None:
-        out.update(rematch_block(logits, valid, position, rematch, mass=mass, **options))
+        out.update(
+            rematch_block(
+                logits, valid, position, rematch, mass=mass, epsilon=epsilon, iterations=iterations
+            )
+        )
     return out
 
 
@@ -307,7 +319,7 @@ def rematch_block(
     image_pos = np.full(q, -1, dtype=np.int64)
     text_share = np.zeros(q, dtype=np.float32)
     image_share = np.zeros(q, dtype=np.float32)
-    out = dict(
+    out: dict[str, np.ndarray] = dict(
         text_pos=text_pos, image_pos=image_pos, text_share=text_share, image_share=image_share
     )
     if not picked.size:
@@ -316,8 +328,9 @@ def rematch_block(
     pos = position[picked]
     forbid = np.zeros((picked.size, m_pad, m_pad), dtype=bool)
     forbid[sub, pos, pos] = True
-    options = dict(epsilon=epsilon, iterations=iterations, forbid=forbid)
-    masked = partial_sinkhorn(logits[picked], valid[picked], mass, **options)
+    masked = partial_sinkhorn(
+        logits[picked], valid[picked], mass, epsilon=epsilon, iterations=iterations, forbid=forbid
+    )
     # Real, valid, not the pair itself; argmax takes the first maximum: the smallest id.
     allowed = valid[picked] & (np.arange(m_pad)[None, :] != pos[:, None])
     row = np.where(allowed, masked[sub, pos, :m_pad], -1.0)  # the image's mass by caption
@@ -341,26 +354,28 @@ def assign_label(p: np.ndarray, a: np.ndarray, form: str = "min") -> np.ndarray:
     p = np.clip(np.nan_to_num(np.asarray(p, dtype=np.float64), nan=0.0), 0.0, 1.0)
     a = np.clip(np.nan_to_num(np.asarray(a, dtype=np.float64), nan=0.0), 0.0, 1.0)
     if form == "min":
-        return np.minimum(p, a).astype(np.float32)
-    if form == "fused":
-        return (p + (1.0 - p) * a).astype(np.float32)
-    raise ValueError(f"labels.assign.label must be one of {LABEL_FORMS}, got {form!r}")
+        label: np.ndarray = np.minimum(p, a)
+    elif form == "fused":
+        label = p + (1.0 - p) * a
+    else:
+        raise ValueError(f"labels.assign.label must be one of {LABEL_FORMS}, got {form!r}")
+    return label.astype(np.float32)
 
 
 def decide(
-    count: dict[str, int], select: Select, threshold: float, params
-) -> tuple[PartitionDecisions, dict]:
+    count: dict[str, int], select: Select, threshold: float, params: Any
+) -> tuple[PartitionDecisions, dict[str, Any]]:
     """The clean split of the configured mixture (it fills `subset`)."""
     threshold, guard_cut, _, report = decide_clean_split(count, select, threshold=threshold)
     return PartitionDecisions(threshold=threshold, guard_cut=guard_cut), {"clean_split": report}
 
 
-def index_role(params) -> IndexRole:
+def index_role(params: Any) -> IndexRole:
     """Competitors are searched over every pair; keys and captions name the rematches."""
     return INDEX_ROLE
 
 
-def _mass(inputs: ShardInputs, params) -> float:
+def _mass(inputs: ShardInputs, params: Any) -> float:
     """m: `params.mass` (the stage sets the mixture's clean weight pi_c), else the shard's share
     of valid rows in the clean split (in-memory passes without a fit)."""
     mass = getattr(params, "mass", None)
@@ -370,9 +385,12 @@ def _mass(inputs: ShardInputs, params) -> float:
     return float(min(max(mass, 1e-3), 1.0))
 
 
-def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch, params) -> ShardLabels:
+def label_shard(
+    inputs: ShardInputs, neighbours: NeighbourSearch | None, params: Any
+) -> ShardLabels:
     """Assignment labels and rematch proxies of one shard (params: k, epsilon, iterations,
     score, label, mass)."""
+    assert neighbours is not None  # index_role is never None
     u, v, ids = inputs.u, inputs.v, inputs.scalars.ids
     n, dim = u.shape
     masks = inputs.masks
@@ -381,7 +399,8 @@ def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch, params) -> Sha
     mass = _mass(inputs, params)
     width = 1 + 2 * params.k
     batch = max(1, min(inputs.query_batch, _MAX_GATHERED // (width * max(dim, 1))))
-    rematch = {  # per row: the rematched caption's / image's pair id and its mass share
+    # Per row: the rematched caption's / image's pair id and its mass share.
+    rematch: dict[str, np.ndarray] = {
         "text": np.full(n, -1, dtype=np.int64),
         "image": np.full(n, -1, dtype=np.int64),
         "text_share": np.zeros(n, dtype=np.float32),
@@ -416,7 +435,9 @@ def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch, params) -> Sha
             found = out[f"{side}_pos"]
             rematch[side][rows] = np.where(found >= 0, cand[block, np.maximum(found, 0)], -1)
             rematch[f"{side}_share"][rows] = out[f"{side}_share"]
-    soft = assign_label(inputs.scalars.prob, score, params.label)
+    prob = inputs.scalars.prob
+    assert prob is not None  # the partition (shard_masks) needs it
+    soft = assign_label(prob, score, params.label)
     labels = ShardLabels(soft_label=soft, subset=subset, scores={"assign": score})
     noisy = np.flatnonzero(subset == NOISY)
     labels.proxies = _proxies(neighbours, noisy, u, v, dim, rematch)
@@ -428,7 +449,14 @@ def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch, params) -> Sha
     return labels
 
 
-def _proxies(neighbours, noisy, u, v, dim, rematch) -> dict[str, np.ndarray]:
+def _proxies(
+    neighbours: NeighbourSearch,
+    noisy: np.ndarray,
+    u: np.ndarray,
+    v: np.ndarray,
+    dim: int,
+    rematch: dict[str, np.ndarray],
+) -> dict[str, np.ndarray]:
     """The rematch proxies of the noisy rows in the SPS proxies-table layout.
 
     Image direction: the noisy image with the caption of the pair its mass goes to most

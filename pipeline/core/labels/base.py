@@ -43,9 +43,16 @@ class IndexRole:
     fields: tuple[str, ...]  # stored per row besides u, v (see neighbours.ROW_FIELDS)
 
 
+def _reliable_rows(masks: ShardMasks) -> np.ndarray:
+    if masks.sps is None:
+        return np.zeros_like(masks.valid)
+    rows: np.ndarray = masks.sps == CLEAN
+    return rows
+
+
 INDEX_ROLES = {
     "anchors": IndexRole("anchors", lambda masks: masks.anchor, ("keys",)),
-    "reliable": IndexRole("reliable", lambda masks: masks.sps == CLEAN, ("keys", "captions")),
+    "reliable": IndexRole("reliable", _reliable_rows, ("keys", "captions")),
     "all": IndexRole("all", lambda masks: np.ones_like(masks.valid), ("groups",)),
 }
 
@@ -68,7 +75,8 @@ class ShardInputs:
     @property
     def finite(self) -> np.ndarray:
         """(N,) bool rows whose embeddings are finite (only those are indexed or queried)."""
-        return np.isfinite(self.u).all(axis=1) & np.isfinite(self.v).all(axis=1)
+        finite: np.ndarray = np.isfinite(self.u).all(axis=1) & np.isfinite(self.v).all(axis=1)
+        return finite
 
 
 @dataclass
@@ -83,7 +91,9 @@ class ShardLabels:
     proxies: dict[str, np.ndarray] | None = None  # SPS proxy pairs (rows + columns)
 
 
-def no_quality_scores(inputs: ShardInputs, labels: ShardLabels, cosine: np.ndarray):
+def no_quality_scores(
+    inputs: ShardInputs, labels: ShardLabels, cosine: np.ndarray
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     return {}, {}
 
 
@@ -92,7 +102,9 @@ class LabelMethod:
     """One registry entry (see the module docstring)."""
 
     name: str
-    decide: Callable[[dict[str, int], Select, float, Any], tuple[PartitionDecisions, dict]]
+    decide: Callable[
+        [dict[str, int], Select, float, Any], tuple[PartitionDecisions, dict[str, Any]]
+    ]
     index_role: Callable[[Any], IndexRole | None]
     label_shard: Callable[[ShardInputs, NeighbourSearch | None, Any], ShardLabels]
     score_columns: tuple[str, ...]  # float32 nullable label-table columns, averaged on publish
@@ -101,7 +113,9 @@ class LabelMethod:
     uses_trainee_view: bool = False  # labels from the trainee's embeddings (SPS)
     proxy_table: bool = False  # writes a proxies table beside the labels (SPS)
     mixture: str | None = None  # partitions with this mixture ("gmm"), else the job's kind
-    quality_scores: Callable[..., tuple[dict, dict]] = no_quality_scores
+    quality_scores: Callable[..., tuple[dict[str, np.ndarray], dict[str, np.ndarray]]] = (
+        no_quality_scores
+    )
     # Labels at or below this train with weight 0 (params -> cut; BiCro's fused label: theta).
     weight_cut: Callable[[Any], float] = lambda params: 0.0
     # params -> label from embeddings centred on each modality's corpus mean (its index rows

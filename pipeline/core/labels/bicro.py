@@ -19,7 +19,10 @@ Contract:
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+from numpy.typing import ArrayLike
 
 from pipeline.core.labels.arrays import check_rows as _check_rows
 from pipeline.core.labels.arrays import rowdot as _rowdot
@@ -52,7 +55,7 @@ __all__ = [
 _MIN_DISTANCE = 1e-2
 
 
-def fold(a, b, eps: float = 1e-6) -> np.ndarray:
+def fold(a: ArrayLike, b: ArrayLike, eps: float = 1e-6) -> np.ndarray:
     """BiCro's consistency fold (docs/methods.md §5.3), elementwise.
 
     fold(A, B) = 0 if min(A, B) <= eps, else min(A, B) / max(A, B). Unlike the reference
@@ -141,7 +144,13 @@ def bicro_labels(
 
 
 def consistency_ratios(
-    u: np.ndarray, v: np.ndarray, by_image: tuple, by_text: tuple, *, ratio="similarity", eps=1e-6
+    u: np.ndarray,
+    v: np.ndarray,
+    by_image: tuple[np.ndarray, np.ndarray],
+    by_text: tuple[np.ndarray, np.ndarray],
+    *,
+    ratio: str = "similarity",
+    eps: float = 1e-6,
 ) -> tuple[np.ndarray, np.ndarray]:
     """BiCro's two consistency ratios of pairs against one anchor per side, (Q,) float64:
     r_i2t = fold(u.u_a*, v.v_a*) with by_image = (u_a*, v_a*) of the nearest anchor by image,
@@ -157,7 +166,15 @@ def consistency_ratios(
     return _ratio(image_a, image_b, ratio, eps), _ratio(text_a, text_b, ratio, eps)
 
 
-def step_labels(r_i2t, r_t2i, is_anchor, is_clean, *, clean_floor=0.5, theta=0.5) -> dict:
+def step_labels(
+    r_i2t: ArrayLike,
+    r_t2i: ArrayLike,
+    is_anchor: ArrayLike,
+    is_clean: ArrayLike,
+    *,
+    clean_floor: float = 0.5,
+    theta: float = 0.5,
+) -> dict[str, np.ndarray]:
     """BiCro's step label from the two (Q,) ratios: c = (r_i2t + r_t2i) / 2; anchors 1, clean
     non-anchors clean_floor + (1 - clean_floor) c, noisy pairs c; BiCro* cuts <= theta to 0.
     Returns `bicro_labels`'s dict."""
@@ -252,7 +269,15 @@ def bicro_in_batch_anchors(
     return labels
 
 
-def _in_batch_nearest_anchors(u, v, losses, is_clean, ids, batch_size, rng):
+def _in_batch_nearest_anchors(
+    u: np.ndarray,
+    v: np.ndarray,
+    losses: np.ndarray,
+    is_clean: np.ndarray,
+    ids: np.ndarray,
+    batch_size: int,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each pair's nearest anchor by image and by text within its batch, and the anchors.
 
     Returns:
@@ -288,12 +313,12 @@ def _in_batch_nearest_anchors(u, v, losses, is_clean, ids, batch_size, rng):
 
 
 def decide(
-    count: dict[str, int], select: Select, threshold: float, params
-) -> tuple[PartitionDecisions, dict]:
+    count: dict[str, int], select: Select, threshold: float, params: Any
+) -> tuple[PartitionDecisions, dict[str, Any]]:
     """The clean split and, with global anchors, the anchor cut (params: anchors,
     anchor_fraction)."""
     threshold, guard_cut, n_clean, report = decide_clean_split(count, select, threshold=threshold)
-    partition = {"clean_split": report}
+    partition: dict[str, Any] = {"clean_split": report}
     anchor_cut = None
     if params.anchors == "global" and n_clean > 0:
         interim = PartitionDecisions(threshold=threshold, guard_cut=guard_cut)
@@ -304,12 +329,14 @@ def decide(
     return decisions, partition
 
 
-def index_role(params) -> IndexRole | None:
+def index_role(params: Any) -> IndexRole | None:
     """Global anchors are searched in an index over the anchors; in-batch anchors need none."""
     return INDEX_ROLES["anchors"] if params.anchors == "global" else None
 
 
-def _global_anchor_labels(inputs: ShardInputs, neighbours: NeighbourSearch, params) -> ShardLabels:
+def _global_anchor_labels(
+    inputs: ShardInputs, neighbours: NeighbourSearch, params: Any
+) -> ShardLabels:
     u, v, masks = inputs.u, inputs.v, inputs.masks
     n, k = u.shape[0], params.anchor_k
     queries = np.flatnonzero(~masks.anchor & inputs.finite)
@@ -332,7 +359,14 @@ def _global_anchor_labels(inputs: ShardInputs, neighbours: NeighbourSearch, para
     return out
 
 
-def _mean_anchor_ratios(u, v, neighbours, image_nn, text_nn, ratio: str):
+def _mean_anchor_ratios(
+    u: np.ndarray,
+    v: np.ndarray,
+    neighbours: NeighbourSearch,
+    image_nn: np.ndarray,
+    text_nn: np.ndarray,
+    ratio: str,
+) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """r_i2t and r_t2i averaged over each pair's k nearest anchors by image and by text
     (`labels.bicro.anchor_k`; k = 1 is BiCro's single nearest anchor), NaN where a side has
     none; and the keys of the nearest anchor of each side (the anchor-key columns). One lookup
@@ -377,13 +411,17 @@ def fused_labels(
     return np.clip(fused, 0.0, 1.0).astype(np.float32)
 
 
-def _shard_labels(inputs: ShardInputs, labels: dict, no_anchor: np.ndarray, params) -> ShardLabels:
+def _shard_labels(
+    inputs: ShardInputs, labels: dict[str, np.ndarray], no_anchor: np.ndarray, params: Any
+) -> ShardLabels:
     """The shard's labels in the configured form (`params.label`): the step label and its
     BiCro* cut, or the fused label, published uncut (the cut applies to training weights)."""
     masks = inputs.masks
     if params.label == "fused":
         r_i2t = np.where(no_anchor, np.nan, labels["r_i2t"])
-        soft = fused_labels(inputs.scalars.prob, r_i2t, labels["r_t2i"], masks.anchor)
+        prob = inputs.scalars.prob
+        assert prob is not None  # the partition (shard_masks) needs it
+        soft = fused_labels(prob, r_i2t, labels["r_t2i"], masks.anchor)
         raw = soft
     else:
         raw = np.where(no_anchor, 0.0, np.nan_to_num(labels["bicro"], nan=0.0))
@@ -395,7 +433,7 @@ def _shard_labels(inputs: ShardInputs, labels: dict, no_anchor: np.ndarray, para
     )
 
 
-def _in_batch_labels(inputs: ShardInputs, params) -> ShardLabels:
+def _in_batch_labels(inputs: ShardInputs, params: Any) -> ShardLabels:
     u, v, masks, scalars = inputs.u, inputs.v, inputs.masks, inputs.scalars
     n = u.shape[0]
     nothing = np.full(n, np.nan, dtype=np.float32)
@@ -419,24 +457,29 @@ def _in_batch_labels(inputs: ShardInputs, params) -> ShardLabels:
     return _shard_labels(inputs, labels, np.zeros(n, dtype=bool), params)
 
 
-def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch | None, params) -> ShardLabels:
+def label_shard(
+    inputs: ShardInputs, neighbours: NeighbourSearch | None, params: Any
+) -> ShardLabels:
     """BiCro labels of one shard (params: the `labels.bicro` settings)."""
     if params.anchors == "global":
+        assert neighbours is not None  # index_role asks for the anchors' index
         return _global_anchor_labels(inputs, neighbours, params)
     return _in_batch_labels(inputs, params)
 
 
-def centred(params) -> bool:
+def centred(params: Any) -> bool:
     """`labels.bicro.centre`: fold similarities of embeddings centred on each modality's corpus
     mean, so a near-collapsed space (every cosine high) does not make every pair consistent."""
     return bool(params.centre)
 
 
-def weight_cut(params) -> float:
+def weight_cut(params: Any) -> float:
     """The fused label is published uncut; theta then cuts the training weights (BiCro*)."""
     return params.theta if params.label == "fused" else 0.0
 
 
-def quality_scores(inputs: ShardInputs, labels: ShardLabels, cosine: np.ndarray):
+def quality_scores(
+    inputs: ShardInputs, labels: ShardLabels, cosine: np.ndarray
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """The raw label (before the theta cut) as an ablation score."""
     return {"bicro_raw": labels.scores["bicro"]}, {"bicro_raw": labels.subset == CLEAN}

@@ -7,6 +7,8 @@ Pure module: numpy. The partition is the clean split of the configured mixture (
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from pipeline.core.labels.arrays import rowdot as _rowdot
@@ -37,22 +39,25 @@ def cosine_labels(u: np.ndarray, v: np.ndarray) -> np.ndarray:
     Returns:
         (N,) float32 in [0, 1].
     """
-    return np.clip(_rowdot(u, v), 0.0, 1.0).astype(np.float32)
+    labels: np.ndarray = np.clip(_rowdot(u, v), 0.0, 1.0).astype(np.float32)
+    return labels
 
 
 def decide(
-    count: dict[str, int], select: Select, threshold: float, params
-) -> tuple[PartitionDecisions, dict]:
+    count: dict[str, int], select: Select, threshold: float, params: Any
+) -> tuple[PartitionDecisions, dict[str, Any]]:
     """The clean split only (it fills `subset`)."""
     threshold, guard_cut, _, report = decide_clean_split(count, select, threshold=threshold)
     return PartitionDecisions(threshold=threshold, guard_cut=guard_cut), {"clean_split": report}
 
 
-def index_role(params) -> IndexRole | None:
+def index_role(params: Any) -> IndexRole | None:
     return None
 
 
-def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch | None, params) -> ShardLabels:
+def label_shard(
+    inputs: ShardInputs, neighbours: NeighbourSearch | None, params: Any
+) -> ShardLabels:
     return ShardLabels(
         soft_label=cosine_labels(inputs.u, inputs.v),
         subset=np.where(inputs.masks.clean, CLEAN, NOISY).astype(np.int8),

@@ -10,11 +10,18 @@ labels bit for bit, whatever the number of shards or index stores.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
-from pipeline.core.labels import ShardInputs, ShardLabels, get_method, label_shard
+from pipeline.core.labels import (
+    IndexRole,
+    LabelMethod,
+    ShardInputs,
+    ShardLabels,
+    get_method,
+    label_shard,
+)
 from pipeline.core.labels.centring import centre, corpus_means, embedding_sums
 from pipeline.core.partition.decisions import (
     PartitionDecisions,
@@ -25,7 +32,7 @@ from pipeline.core.partition.decisions import (
     shard_masks,
 )
 from pipeline.core.partition.select import radix_select, select_round
-from pipeline.core.search.neighbours import build_local_neighbours, image_groups
+from pipeline.core.search.neighbours import ShardedNeighbours, build_local_neighbours, image_groups
 
 __all__ = ["InMemoryResult", "label_in_memory"]
 
@@ -38,7 +45,10 @@ class InMemoryResult:
     partition: dict[str, Any]  # the decision report (as in the pass summary)
 
 
-def _rows(obj, rows: slice):
+_Rows = TypeVar("_Rows", ShardScalars, ShardMasks)
+
+
+def _rows(obj: _Rows, rows: slice) -> _Rows:
     """A dataclass of per-row arrays restricted to `rows` (None fields stay None)."""
     values = {
         f.name: (v[rows] if isinstance(v, np.ndarray) else v)
@@ -49,10 +59,11 @@ def _rows(obj, rows: slice):
 
 
 def _concat(parts: list[ShardLabels]) -> ShardLabels:
-    def cat(values):
-        return None if values[0] is None else np.concatenate(values)
+    def cat(values: list[np.ndarray | None]) -> np.ndarray | None:
+        # A method fills an optional column in every shard or in none.
+        return None if values[0] is None else np.concatenate(cast(list[np.ndarray], values))
 
-    proxies = None
+    proxies: dict[str, np.ndarray] | None = None
     found = [(i, p.proxies) for i, p in enumerate(parts) if p.proxies is not None]
     if found:
         offsets = np.cumsum([0] + [p.soft_label.size for p in parts])
@@ -63,16 +74,18 @@ def _concat(parts: list[ShardLabels]) -> ShardLabels:
             for name in found[0][1]
         }
     return ShardLabels(
-        soft_label=cat([p.soft_label for p in parts]),
-        subset=cat([p.subset for p in parts]),
-        scores={name: cat([p.scores[name] for p in parts]) for name in parts[0].scores},
+        soft_label=np.concatenate([p.soft_label for p in parts]),
+        subset=np.concatenate([p.subset for p in parts]),
+        scores={name: np.concatenate([p.scores[name] for p in parts]) for name in parts[0].scores},
         image_anchor_key=cat([p.image_anchor_key for p in parts]),
         text_anchor_key=cat([p.text_anchor_key for p in parts]),
         proxies=proxies,
     )
 
 
-def _decide(entry, params, scalars: ShardScalars, threshold: float, fetch_limit: int):
+def _decide(
+    entry: LabelMethod, params: Any, scalars: ShardScalars, threshold: float, fetch_limit: int
+) -> tuple[PartitionDecisions, dict[str, Any]]:
     """The method's decisions with the radix select over the one in-memory shard."""
     count = partition_counts(
         scalars,
@@ -82,7 +95,13 @@ def _decide(entry, params, scalars: ShardScalars, threshold: float, fetch_limit:
         rcr_delta=getattr(params, "delta", None),
     )
 
-    def select(what, k, in_play, decisions=None, with_id=True):
+    def select(
+        what: str,
+        k: int,
+        in_play: int,
+        decisions: PartitionDecisions | None = None,
+        with_id: bool = True,
+    ) -> tuple[int, int | None, int]:
         keys, ids = selection_rows(scalars, what, decisions)
         return radix_select(
             lambda prefix, fetch: [select_round(keys, ids, prefix, fetch)],
@@ -95,7 +114,17 @@ def _decide(entry, params, scalars: ShardScalars, threshold: float, fetch_limit:
     return entry.decide(count, select, threshold, params)
 
 
-def _neighbours(role, masks, u, v, ids, keys, captions, image_hashes, layout):
+def _neighbours(
+    role: IndexRole | None,
+    masks: ShardMasks,
+    u: np.ndarray,
+    v: np.ndarray,
+    ids: np.ndarray,
+    keys: np.ndarray | None,
+    captions: np.ndarray | None,
+    image_hashes: list[str | None] | None,
+    layout: dict[str, Any],
+) -> ShardedNeighbours | None:
     """In-process stores over the role's rows (None when the method searches nothing)."""
     if role is None:
         return None
@@ -112,7 +141,9 @@ def _neighbours(role, masks, u, v, ids, keys, captions, image_hashes, layout):
     return build_local_neighbours([part], dim=u.shape[1], **layout)
 
 
-def _labelling_embeddings(entry, params, u, v) -> tuple[np.ndarray, np.ndarray]:
+def _labelling_embeddings(
+    entry: LabelMethod, params: Any, u: np.ndarray, v: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """float32 (u, v), centred on the corpus means when the method centres: exact sums, so the
     same means as the Ray pass's per-shard sums whatever the sharding."""
     u = np.ascontiguousarray(u, dtype=np.float32)
@@ -123,11 +154,19 @@ def _labelling_embeddings(entry, params, u, v) -> tuple[np.ndarray, np.ndarray]:
     return centre(u, mean_u), centre(v, mean_v)
 
 
-def _scalars(ids, loss, prob, loss_i2t, loss_t2i, alpha_i2t, alpha_t2i) -> ShardScalars:
+def _scalars(
+    ids: np.ndarray,
+    loss: np.ndarray,
+    prob: np.ndarray,
+    loss_i2t: np.ndarray | None,
+    loss_t2i: np.ndarray | None,
+    alpha_i2t: np.ndarray | None,
+    alpha_t2i: np.ndarray | None,
+) -> ShardScalars:
     """The corpus as one shard's scalars (float32; missing InfoNCE terms are zeros)."""
 
-    def floats(values):
-        return None if values is None else np.asarray(values, dtype=np.float32)
+    def floats(values: np.ndarray) -> np.ndarray:
+        return np.asarray(values, dtype=np.float32)
 
     zeros = np.zeros(ids.size, dtype=np.float32)
     return ShardScalars(
@@ -136,14 +175,14 @@ def _scalars(ids, loss, prob, loss_i2t, loss_t2i, alpha_i2t, alpha_t2i) -> Shard
         loss_i2t=zeros if loss_i2t is None else floats(loss_i2t),
         loss_t2i=zeros if loss_t2i is None else floats(loss_t2i),
         prob=floats(prob),
-        alpha_i2t=floats(alpha_i2t),
-        alpha_t2i=floats(alpha_t2i),
+        alpha_i2t=None if alpha_i2t is None else floats(alpha_i2t),
+        alpha_t2i=None if alpha_t2i is None else floats(alpha_t2i),
     )
 
 
 def label_in_memory(
     method: str,
-    params,
+    params: Any,
     *,
     u: np.ndarray,
     v: np.ndarray,
@@ -201,8 +240,7 @@ def label_in_memory(
     bounds = np.cumsum([0] + list(shard_sizes or [n]))
     shards = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     seeds = shard_seeds or [seed + index for index in range(len(shards))]
-    shared = dict(logit_scale=logit_scale, image_dedup=image_hashes is not None)
-    parts = []
+    parts: list[ShardLabels] = []
     for rows, shard_seed in zip(shards, seeds, strict=True):
         inputs = ShardInputs(
             scalars=_rows(scalars, rows),
@@ -212,8 +250,9 @@ def label_in_memory(
             loss_i2t=scalars.loss_i2t[rows],
             loss_t2i=scalars.loss_t2i[rows],
             seed=shard_seed,
+            logit_scale=logit_scale,
+            image_dedup=image_hashes is not None,
             query_batch=query_batch,
-            **shared,
         )
         parts.append(label_shard(entry, inputs, neighbours, params))
         masks.anchor[rows] = inputs.masks.anchor  # in-batch anchors are chosen per shard

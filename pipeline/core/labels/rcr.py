@@ -16,6 +16,8 @@ Contract:
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from pipeline.core.labels.arrays import check_rows as _check_rows
@@ -55,7 +57,7 @@ def max_search_depth(k: int) -> int:
     return (k + 1) * _MAX_IMAGE_DEPTH_FACTOR
 
 
-def _lookup_groups(group_ids, ids: np.ndarray) -> np.ndarray:
+def _lookup_groups(group_ids: np.ndarray | EmbeddingLookup, ids: np.ndarray) -> np.ndarray:
     """Group id of every id in `ids` (any shape); -1 ids map to -1."""
     safe = np.maximum(ids, 0)
     groups = group_ids(safe.ravel()).reshape(ids.shape) if callable(group_ids) else group_ids[safe]
@@ -72,7 +74,8 @@ def _first_of_group(groups: np.ndarray, valid: np.ndarray) -> np.ndarray:
     repeat[:, 1:] = sorted_keys[:, 1:] == sorted_keys[:, :-1]
     first = np.empty_like(repeat)
     np.put_along_axis(first, order, ~repeat, axis=1)
-    return first & valid
+    kept: np.ndarray = first & valid
+    return kept
 
 
 def _ranked_gains(
@@ -82,7 +85,7 @@ def _ranked_gains(
     database: np.ndarray | EmbeddingLookup,
     k: int,
     exclude: np.ndarray | None,
-    group_ids,
+    group_ids: np.ndarray | EmbeddingLookup | None,
 ) -> np.ndarray:
     """(Q, k) float64 gains max(S, 0) of a candidate list ranked by the order scores; -inf pad."""
     candidate_ids = np.asarray(candidate_ids, dtype=np.int64)
@@ -253,25 +256,28 @@ def rcr_weights(w: np.ndarray, in_c: np.ndarray) -> np.ndarray:
 
 
 def decide(
-    count: dict[str, int], select: Select, threshold: float, params
-) -> tuple[PartitionDecisions, dict]:
+    count: dict[str, int], select: Select, threshold: float, params: Any
+) -> tuple[PartitionDecisions, dict[str, Any]]:
     """The set C (params: delta). The clean split at `threshold` stays for clean_prob only."""
     cut, report = decide_rcr_candidates(count, select, delta=params.delta)
     decisions = PartitionDecisions(threshold=threshold, rcr_delta=params.delta, rcr_guard_cut=cut)
     return decisions, {"rcr_candidates": report}
 
 
-def index_role(params) -> IndexRole:
+def index_role(params: Any) -> IndexRole:
     """Both rankings run over the whole corpus."""
     return INDEX_ROLES["all"]
 
 
-def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch, params) -> ShardLabels:
+def label_shard(
+    inputs: ShardInputs, neighbours: NeighbourSearch | None, params: Any
+) -> ShardLabels:
     """RCR weights of one shard (params: k, include_self).
 
     With `inputs.image_dedup` the index stores an image group per row and images are ranked as
     unique images; otherwise every row is its own image (tables without image hashes).
     """
+    assert neighbours is not None  # index_role: every pair is indexed
     u, v, ids = inputs.u, inputs.v, inputs.scalars.ids
     n = u.shape[0]
     depth = params.k + 1
@@ -318,6 +324,7 @@ def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch, params) -> Sha
         )
         weight[start:stop] = np.nan_to_num(out["w"], nan=0.0)
     in_c = inputs.masks.in_c
+    assert in_c is not None  # RCR's decisions always set C
     return ShardLabels(
         soft_label=rcr_weights(weight, in_c),
         subset=np.where(in_c, CLEAN, NOISY).astype(np.int8),
@@ -325,13 +332,17 @@ def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch, params) -> Sha
     )
 
 
-def quality_scores(inputs: ShardInputs, labels: ShardLabels, cosine: np.ndarray):
+def quality_scores(
+    inputs: ShardInputs, labels: ShardLabels, cosine: np.ndarray
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """The paper's ablation weights: w unmasked, the mean per-direction posterior, and the
     cosine restricted to C."""
     scalars, in_c = inputs.scalars, inputs.masks.in_c
+    a, b = scalars.alpha_i2t, scalars.alpha_t2i
+    assert in_c is not None and a is not None and b is not None  # RCR partitions on them
     scores = {
         "rcr_unmasked": labels.scores["rcr"],
-        "rcr_alpha_mean": 0.5 * (scalars.alpha_i2t + scalars.alpha_t2i),
+        "rcr_alpha_mean": 0.5 * (a + b),
         "rcr_cosine_on_c": np.where(in_c, cosine, -1.0),
     }
     return scores, {"rcr_alpha_mean": in_c}

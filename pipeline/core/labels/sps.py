@@ -19,6 +19,9 @@ Contract:
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Any
+
 import numpy as np
 
 from pipeline.core.labels.arrays import check_rows as _check_rows
@@ -76,7 +79,8 @@ def sps_quasi_clean_label(p: np.ndarray, loss_i2t: np.ndarray, loss_t2i: np.ndar
     p = np.asarray(p, dtype=np.float64)
     match = 0.5 * (np.exp(-np.asarray(loss_i2t, np.float64)) + np.exp(-np.asarray(loss_t2i)))
     match = np.clip(match, 0.0, 1.0)
-    return np.clip(p + (1.0 - p) * match, 0.0, 1.0).astype(np.float32)
+    label: np.ndarray = np.clip(p + (1.0 - p) * match, 0.0, 1.0).astype(np.float32)
+    return label
 
 
 def proxy_match_probability(
@@ -142,7 +146,8 @@ def proxy_match_probability(
 
 def _logsumexp(x: np.ndarray, axis: int) -> np.ndarray:
     peak = x.max(axis=axis, keepdims=True)
-    return (peak + np.log(np.exp(x - peak).sum(axis=axis, keepdims=True))).squeeze(axis)
+    out: np.ndarray = (peak + np.log(np.exp(x - peak).sum(axis=axis, keepdims=True))).squeeze(axis)
+    return out
 
 
 def _proxy_direction(
@@ -180,7 +185,9 @@ def _proxy_direction(
     }
 
 
-def _proxy_label(evidence, similarity, found, *, gamma: float, beta: float) -> np.ndarray:
+def _proxy_label(
+    evidence: np.ndarray, similarity: np.ndarray, found: np.ndarray, *, gamma: float, beta: float
+) -> np.ndarray:
     """y_p = gamma * evidence * S, zero below beta (the reference's cutoff), for S <= 0 and
     without a proxy (docs/methods.md §7.3); NaN where S is NaN; float32 in [0, 1]."""
     label = gamma * evidence * similarity
@@ -227,7 +234,8 @@ def prototype_proxy(
     found = np.asarray(found, dtype=bool)
     similarity = np.einsum("qd,qkd->qk", query, same)  # (Q, k)
     logits = np.where(found, logit_scale * similarity, -np.inf)
-    any_found = found.any(axis=1)
+    # numpy's stub types any(axis=...) as bool | ndarray.
+    any_found: np.ndarray = found.any(axis=1)  # type: ignore[assignment]
     peak = np.where(any_found, logits.max(axis=1), 0.0)[:, None]
     weights = np.where(found, np.exp(logits - peak), 0.0)
     weights /= np.maximum(weights.sum(axis=1, keepdims=True), 1e-300)
@@ -292,24 +300,27 @@ def sps_proxy_labels(
     v_n = _check_rows("v_n", v_n, rows)
     image_proxy_ids = _check_rows("image_proxy_ids", np.asarray(image_proxy_ids), rows)
     text_proxy_ids = _check_rows("text_proxy_ids", np.asarray(text_proxy_ids), rows)
-    options = dict(
-        logit_scale=logit_scale, gamma=gamma, beta=beta, batch_size=batch_size, seed=seed
+    direction = partial(
+        _proxy_direction,
+        logit_scale=logit_scale,
+        gamma=gamma,
+        beta=beta,
+        batch_size=batch_size,
+        seed=seed,
     )
-    image = _proxy_direction(
+    image = direction(
         _rowdot(u_n, _check_rows("image_proxy_u", image_proxy_u, rows)),
         u_n,
         _check_rows("image_proxy_v", image_proxy_v, rows),
         image_proxy_ids,
         proxy_side="text",
-        **options,
     )
-    text = _proxy_direction(
+    text = direction(
         _rowdot(v_n, _check_rows("text_proxy_v", text_proxy_v, rows)),
         _check_rows("text_proxy_u", text_proxy_u, rows),
         v_n,
         text_proxy_ids,
         proxy_side="image",
-        **options,
     )
     return {
         "y_p_img": image["label"],
@@ -323,8 +334,8 @@ def sps_proxy_labels(
 
 
 def decide(
-    count: dict[str, int], select: Select, threshold: float, params
-) -> tuple[PartitionDecisions, dict]:
+    count: dict[str, int], select: Select, threshold: float, params: Any
+) -> tuple[PartitionDecisions, dict[str, Any]]:
     """The three-way split (params: eps1, eps2, reliable_fallback)."""
     eps2, reliable_cut, report = decide_sps_split(
         count,
@@ -342,12 +353,14 @@ def decide(
     return decisions, {"sps_split": report}
 
 
-def index_role(params) -> IndexRole:
+def index_role(params: Any) -> IndexRole:
     """Proxies are searched among the reliable pairs (their captions are stored)."""
     return INDEX_ROLES["reliable"]
 
 
-def _nearest_proxies(inputs: ShardInputs, neighbours: NeighbourSearch, params, noisy):
+def _nearest_proxies(
+    inputs: ShardInputs, neighbours: NeighbourSearch, params: Any, noisy: np.ndarray
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
     """The paper's proxies: the nearest reliable pair per direction, y_p = gamma P^ S.
     Returns the chosen rows by image and by text and `sps_proxy_labels`'s dict."""
     u, v, dim = inputs.u[noisy], inputs.v[noisy], inputs.u.shape[1]
@@ -373,11 +386,14 @@ def _nearest_proxies(inputs: ShardInputs, neighbours: NeighbourSearch, params, n
     return by_image, by_text, out
 
 
-def _prototype_proxies(inputs: ShardInputs, neighbours: NeighbourSearch, params, noisy):
+def _prototype_proxies(
+    inputs: ShardInputs, neighbours: NeighbourSearch, params: Any, noisy: np.ndarray
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
     """`prototype_proxy` in both directions over the `proxy_k` nearest reliable pairs; the
     consensus |t| stands in the P^ columns. Returns what `_nearest_proxies` does."""
     queries, dim, k = len(noisy), inputs.u.shape[1], params.proxy_k
-    chosen, out = {}, {}
+    chosen: dict[str, dict[str, np.ndarray]] = {}
+    out: dict[str, np.ndarray] = {}
     for side, query, same, other, fields in (
         ("img", inputs.u[noisy], "u", "v", ("u", "v", "keys", "captions")),
         ("txt", inputs.v[noisy], "v", "u", ("u", "v", "keys")),
@@ -407,23 +423,27 @@ def _prototype_proxies(inputs: ShardInputs, neighbours: NeighbourSearch, params,
     return chosen["img"], chosen["txt"], out
 
 
-def label_shard(inputs: ShardInputs, neighbours: NeighbourSearch, params) -> ShardLabels:
+def label_shard(
+    inputs: ShardInputs, neighbours: NeighbourSearch | None, params: Any
+) -> ShardLabels:
     """SPS labels and proxy pairs of one shard (params: gamma, beta, batch_size, proxy,
     proxy_k)."""
     n = inputs.u.shape[0]
     masks = inputs.masks
-    codes = masks.sps
+    codes, prob = masks.sps, inputs.scalars.prob
+    assert codes is not None and prob is not None  # decide sets eps2; shard_masks needs prob
     label = np.zeros(n, dtype=np.float32)
     label[codes == CLEAN] = 1.0
     quasi = codes == QUASI_CLEAN
     label[quasi] = sps_quasi_clean_label(
-        inputs.scalars.prob[quasi], inputs.loss_i2t[quasi], inputs.loss_t2i[quasi]
+        prob[quasi], inputs.loss_i2t[quasi], inputs.loss_t2i[quasi]
     )
     noisy = np.flatnonzero(codes == NOISY)
     image_keys = np.full(n, None, dtype=object)
     text_keys = np.full(n, None, dtype=object)
     proxies = None
     if noisy.size:
+        assert neighbours is not None  # index_role is never None
         find = _prototype_proxies if params.proxy == "prototype" else _nearest_proxies
         by_image, by_text, out = find(inputs, neighbours, params, noisy)
         image_keys[noisy] = by_image["keys"]

@@ -96,8 +96,20 @@ class ShardMasks:
 Select = Callable[..., tuple[int, int | None, int]]
 
 
-def _rcr_valid(scalars: ShardScalars) -> np.ndarray:
-    return np.isfinite(scalars.alpha_i2t) & np.isfinite(scalars.alpha_t2i)
+def _prob(scalars: ShardScalars) -> np.ndarray:
+    assert scalars.prob is not None, "a partition needs the clean posteriors (add_posteriors)"
+    return scalars.prob
+
+
+def _alphas(scalars: ShardScalars) -> tuple[np.ndarray, np.ndarray]:
+    a, b = scalars.alpha_i2t, scalars.alpha_t2i
+    assert a is not None and b is not None, "RCR needs both per-direction posteriors"
+    return a, b
+
+
+def _rcr_valid(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    valid: np.ndarray = np.isfinite(a) & np.isfinite(b)
+    return valid
 
 
 def partition_counts(
@@ -114,7 +126,7 @@ def partition_counts(
         rows, valid, above_delta (posterior > threshold); with SPS thresholds above_eps1 and
         above_eps2; with RCR posteriors and delta rcr_valid and in_c.
     """
-    prob = scalars.prob
+    prob = _prob(scalars)
     valid = np.isfinite(prob)
     with np.errstate(invalid="ignore"):
         counts = {
@@ -126,8 +138,8 @@ def partition_counts(
             counts["above_eps2"] = int((prob > sps_eps2).sum())
             counts["above_eps1"] = int((prob > sps_eps1).sum())
         if scalars.alpha_i2t is not None and rcr_delta is not None:
-            a, b = scalars.alpha_i2t, scalars.alpha_t2i
-            rcr_valid = _rcr_valid(scalars)
+            a, b = _alphas(scalars)
+            rcr_valid = _rcr_valid(a, b)
             counts["rcr_valid"] = int(rcr_valid.sum())
             counts["in_c"] = int((rcr_valid & (a > rcr_delta) & (b > rcr_delta)).sum())
     return counts
@@ -135,7 +147,7 @@ def partition_counts(
 
 def shard_masks(scalars: ShardScalars, decisions: PartitionDecisions) -> ShardMasks:
     """The partition of one shard from the global decisions."""
-    prob = scalars.prob
+    prob = _prob(scalars)
     valid = np.isfinite(prob)
     loss_keys = order_keys(np.where(valid, scalars.loss, 0.0))
     with np.errstate(invalid="ignore"):
@@ -158,8 +170,8 @@ def shard_masks(scalars: ShardScalars, decisions: PartitionDecisions) -> ShardMa
                 codes[valid & at_or_below(top, scalars.ids, decisions.sps_reliable_cut)] = CLEAN
             masks.sps = codes
     if decisions.rcr_delta is not None and scalars.alpha_i2t is not None:
-        a, b = scalars.alpha_i2t, scalars.alpha_t2i
-        rcr_valid = _rcr_valid(scalars)
+        a, b = _alphas(scalars)
+        rcr_valid = _rcr_valid(a, b)
         if decisions.rcr_guard_cut is None:
             with np.errstate(invalid="ignore"):
                 delta = decisions.rcr_delta
@@ -179,21 +191,22 @@ def selection_rows(
     "loss_valid" (losses of valid rows), "loss_clean"
     (losses of the clean split under `decisions`), "rcr_guard" (-min(alpha_i2t, alpha_t2i)).
     """
-    valid = np.isfinite(scalars.prob)
+    prob = _prob(scalars)
+    valid = np.isfinite(prob)
     if what == "prob":
-        return order_keys(scalars.prob[valid]), scalars.ids[valid]
+        return order_keys(prob[valid]), scalars.ids[valid]
     if what == "prob_desc":
-        return order_keys(-scalars.prob[valid]), scalars.ids[valid]
+        return order_keys(-prob[valid]), scalars.ids[valid]
     if what == "loss_valid":
         return order_keys(scalars.loss[valid]), scalars.ids[valid]
     if what == "loss_clean":
+        assert decisions is not None, "loss_clean ranks the clean split under `decisions`"
         clean = shard_masks(scalars, decisions).clean
         return order_keys(scalars.loss[clean]), scalars.ids[clean]
     if what == "rcr_guard":
-        rcr_valid = _rcr_valid(scalars)
-        return order_keys(-np.minimum(scalars.alpha_i2t, scalars.alpha_t2i)[rcr_valid]), (
-            scalars.ids[rcr_valid]
-        )
+        a, b = _alphas(scalars)
+        rcr_valid = _rcr_valid(a, b)
+        return order_keys(-np.minimum(a, b)[rcr_valid]), scalars.ids[rcr_valid]
     raise ValueError(f"unknown selection {what!r}")
 
 
@@ -209,6 +222,7 @@ def _guard_cut(select: Select, what: str, valid: int, fraction: Fraction) -> tup
     selection `what` (ties by id), and how many that is."""
     k = max(1, math.floor(fraction * valid))
     key, sample, _ = select(what, k, valid, None, True)
+    assert sample is not None  # ranked with ids: the cut's id
     return (key, sample), k
 
 
@@ -254,6 +268,7 @@ def decide_anchors(
         raise ValueError(f"anchor fraction must be in (0, 1], got {fraction}")
     k = max(1, math.ceil(Fraction(repr(float(fraction))) * n_clean))
     key, sample, _ = select("loss_clean", k, n_clean, interim, True)
+    assert sample is not None  # ranked with ids: the cut's id
     return (key, sample), {"n_anchors": k, "fraction": fraction}
 
 

@@ -22,8 +22,11 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from pipeline.core.search.faiss_gpu import GPU_MAX_K
 
@@ -45,6 +48,8 @@ __all__ = [
 
 # ids (M,) int64 -> (M, D) float32 embeddings; lets a caller keep the database out of memory.
 EmbeddingLookup = Callable[[np.ndarray], np.ndarray]
+# A faiss.Index: faiss ships no type information.
+FaissIndex = Any
 
 # FAISS GPU indexes cannot select more than this many neighbours per query.
 _GPU_MAX_K = GPU_MAX_K
@@ -54,7 +59,7 @@ _EXACT_CHUNK_ELEMENTS = 4_000_000
 _DEFAULT_TRAIN_SAMPLE = 131_072
 
 
-def _require_faiss():
+def _require_faiss() -> ModuleType:
     """The faiss module, imported on first use: processes that only read the configuration
     (the driver, training workers) never load it, nor its loader's log lines."""
     try:  # faiss is an optional extra: `pip install ncl-pipeline[cpu]` (or `[gpu]`).
@@ -67,7 +72,7 @@ def _require_faiss():
     return faiss
 
 
-def _as_matrix(x, name: str) -> np.ndarray:
+def _as_matrix(x: ArrayLike, name: str) -> np.ndarray:
     """(N, D) C-contiguous float32 view or copy of `x`, validated."""
     array = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
     if array.ndim != 2:
@@ -114,7 +119,7 @@ def train_index(
     ngpu: int = -1,
     niter: int | None = None,
     threads: int | None = None,
-):
+) -> FaissIndex:
     """An empty, trained CPU index for `factory` (IVF/PQ codebooks learned on `sample`).
 
     Train once and `faiss.clone_index` the result into every shard, so all shards share one
@@ -168,7 +173,7 @@ def train_index(
     return index
 
 
-def set_nprobe(index, nprobe: int) -> None:
+def set_nprobe(index: FaissIndex, nprobe: int) -> None:
     """Set the number of IVF lists probed per query on a CPU or GPU index (no-op for Flat)."""
     lib = _require_faiss()
     if lib.try_extract_index_ivf(index) is None and not is_gpu_index(index):
@@ -179,7 +184,7 @@ def set_nprobe(index, nprobe: int) -> None:
     space.set_index_parameter(index, "nprobe", float(nprobe))
 
 
-def is_gpu_index(index) -> bool:
+def is_gpu_index(index: FaissIndex) -> bool:
     lib = _require_faiss()
     if not hasattr(lib, "GpuIndex"):
         return False
@@ -200,12 +205,12 @@ def build_index(
     factory: str = "Flat",
     *,
     train_sample: int | np.ndarray | None = None,
-    trained=None,
+    trained: FaissIndex | None = None,
     ngpu: int = -1,
     gpus: Sequence[int] | None = None,
     nprobe: int | None = None,
     seed: int = 0,
-):
+) -> FaissIndex:
     """Build an inner-product FAISS index over `vectors`, keeping `ids`.
 
     Args:
@@ -293,7 +298,7 @@ def exact_scores(
     database: np.ndarray | EmbeddingLookup,
     ids: np.ndarray,
     *,
-    dtype=np.float32,
+    dtype: DTypeLike = np.float32,
 ) -> np.ndarray:
     """Exact inner products of each query with its candidates, -inf for missing ids.
 
@@ -429,7 +434,7 @@ class IndexShard:
 
     def __init__(
         self,
-        index,
+        index: FaissIndex,
         ids: np.ndarray,
         vectors: np.ndarray | None = None,
         *,
@@ -460,7 +465,7 @@ class IndexShard:
         factory: str = "Flat",
         *,
         keep_vectors: bool = True,
-        trained=None,
+        trained: FaissIndex | None = None,
         train_sample: int | np.ndarray | None = None,
         ngpu: int = -1,
         gpus: Sequence[int] | None = None,
@@ -579,7 +584,7 @@ class ShardedIndex:
         split: str = "contiguous",
         factory: str = "Flat",
         keep_vectors: bool = True,
-        trained=None,
+        trained: FaissIndex | None = None,
         train_sample: int | np.ndarray | None = None,
         ngpu: int = -1,
         nprobe: int | None = None,
@@ -607,7 +612,9 @@ class ShardedIndex:
             raise ValueError(f"shards must be >= 1, got {shards}")
         if split == "contiguous":
             bounds = np.linspace(0, n, shards + 1).astype(np.int64)
-            parts = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+            parts: list[slice | np.ndarray] = [
+                slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+            ]
         elif split == "modulo":
             parts = [np.flatnonzero(ids % shards == s) for s in range(shards)]
         else:

@@ -76,11 +76,11 @@ class IndexStore:
     ) -> None:
         self.dim, self.factory, self.nprobe, self.seed = dim, factory, nprobe, seed
         self.gpus = list(gpus)
-        self.parts: list[dict] = []
+        self.parts: list[dict[str, np.ndarray]] = []
         self.indexes: dict[str, IndexShard] = {}
         self.ids: np.ndarray | None = None
 
-    def add(self, *parts: dict) -> int:
+    def add(self, *parts: dict[str, np.ndarray]) -> int:
         """Queue parts {"ids": (n,), "u": (n, D), "v": (n, D), optional ROW_FIELDS}."""
         self.parts.extend(parts)
         return sum(len(p["ids"]) for p in parts)
@@ -130,7 +130,7 @@ class IndexStore:
             stacked = {name: self._stacked(_COLUMN[name], order) for name in modalities}
         else:
             stacked = {name: getattr(self, _COLUMN[name]) for name in modalities}
-        out = {}
+        out: dict[str, np.ndarray] = {}
         for name, rows in stacked.items():
             pick = np.random.default_rng(self.seed).permutation(rows.shape[0])[:sample_size]
             trained = train_index(
@@ -139,7 +139,7 @@ class IndexStore:
             out[name] = faiss.serialize_index(trained)
         return out
 
-    def build(self, trained: dict | None = None) -> int:
+    def build(self, trained: dict[str, np.ndarray] | None = None) -> int:
         """Index the rows (with `train`'s output for IVF/PQ); returns the row count.
 
         On CPU the two modalities are indexed in two threads (FAISS releases the GIL, and each
@@ -150,12 +150,14 @@ class IndexStore:
 
         if self.parts or self.ids is None:
             self._gather()
+        ids = self.ids
+        assert ids is not None  # set by _gather
 
         def index(name: str) -> IndexShard:
             base = None if trained is None else faiss.deserialize_index(trained[name])
             return IndexShard.build(
                 getattr(self, _COLUMN[name]),
-                self.ids,
+                ids,
                 self.factory,
                 trained=base,
                 gpus=self.gpus,
@@ -168,16 +170,18 @@ class IndexStore:
         else:
             with ThreadPoolExecutor(len(MODALITIES)) as pool:
                 self.indexes = dict(zip(MODALITIES, pool.map(index, MODALITIES), strict=True))
-        return int(self.ids.size)
+        return int(ids.size)
 
-    def search(self, modality: str, queries: np.ndarray, k: int):
+    def search(self, modality: str, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return self.indexes[modality].search(queries, k)
 
     def lookup(self, ids: np.ndarray, fields: tuple[str, ...]) -> dict[str, np.ndarray]:
-        position = np.searchsorted(self.ids, ids)
-        if ids.size and (position.max() >= self.ids.size or np.any(self.ids[position] != ids)):
+        held = self.ids
+        assert held is not None, "lookup before build"
+        position = np.searchsorted(held, ids)
+        if ids.size and (position.max() >= held.size or np.any(held[position] != ids)):
             raise KeyError("lookup of ids this index store does not hold")
-        out = {}
+        out: dict[str, np.ndarray] = {}
         for name in fields:
             values = getattr(self, name)
             if values is None:
@@ -207,10 +211,10 @@ class IndexStore:
 
 
 # dispatch([(store, method name, args), ...]) -> [result, ...] in the same order
-Dispatch = Callable[[list[tuple[Any, str, tuple]]], list]
+Dispatch = Callable[[list[tuple[Any, str, tuple[Any, ...]]]], list[Any]]
 
 
-def local_dispatch(calls: list[tuple[Any, str, tuple]]) -> list:
+def local_dispatch(calls: list[tuple[Any, str, tuple[Any, ...]]]) -> list[Any]:
     """Call stores held in this process."""
     return [getattr(store, method)(*args) for store, method, args in calls]
 
@@ -232,7 +236,10 @@ class ShardedNeighbours:
     def lookup(self, ids: np.ndarray, fields: tuple[str, ...]) -> dict[str, np.ndarray]:
         ids = np.asarray(ids, dtype=np.int64)
         if ids.size == 0:  # still ask one store: the empty answer carries dtypes and shapes
-            return self.dispatch([(self.stores[0], "lookup", (ids, fields))])[0]
+            empty: dict[str, np.ndarray] = self.dispatch(
+                [(self.stores[0], "lookup", (ids, fields))]
+            )[0]
+            return empty
         owner = ids % len(self.stores)
         picks, calls = [], []
         for index, store in enumerate(self.stores):
@@ -250,7 +257,7 @@ class ShardedNeighbours:
 
 
 def build_local_neighbours(
-    parts: Sequence[dict],
+    parts: Sequence[dict[str, np.ndarray]],
     *,
     stores: int = 1,
     dim: int | None = None,
@@ -287,9 +294,7 @@ def image_groups(hashes: list[str | None] | None, ids: np.ndarray) -> np.ndarray
         return groups
     present = np.array([h is not None and len(h) >= 16 for h in hashes], dtype=bool)
     if present.any():
-        prefix = b"".join(
-            bytes.fromhex(h[:16]) for h, ok in zip(hashes, present, strict=True) if ok
-        )
+        prefix = b"".join(bytes.fromhex(h[:16]) for h in hashes if h is not None and len(h) >= 16)
         bits = np.frombuffer(prefix, dtype=">u8").astype(np.uint64) >> np.uint64(1)
         groups[present] = bits.astype(np.int64)
     return groups
@@ -307,7 +312,7 @@ def nearest(
     return out
 
 
-def top1(neighbours: NeighbourSearch, modality: str, queries: np.ndarray, batch: int):
+def top1(neighbours: NeighbourSearch, modality: str, queries: np.ndarray, batch: int) -> np.ndarray:
     """(Q,) int64 id of each query's nearest row (-1: empty index), searched in batches."""
     return nearest(neighbours, modality, queries, 1, batch)[:, 0]
 
@@ -352,7 +357,8 @@ def _distinct_per_row(groups: np.ndarray, valid: np.ndarray) -> np.ndarray:
     ok = np.take_along_axis(valid, order, axis=1)
     new = ok.copy()
     new[:, 1:] &= g[:, 1:] != g[:, :-1]
-    return new.sum(axis=1)
+    counts: np.ndarray = new.sum(axis=1)
+    return counts
 
 
 def _groups_of(neighbours: NeighbourSearch, ids: np.ndarray) -> np.ndarray:

@@ -284,7 +284,9 @@ def export_run(
     }
     if _prepare_out(spec, plan):
         logger.info("export: %s already holds this export, nothing to do", spec.out)
-        return {**read_json(f"{spec.out}/{SUMMARY_NAME}"), "skipped": True}
+        summary = read_json(f"{spec.out}/{SUMMARY_NAME}")
+        assert summary is not None  # _prepare_out just read it
+        return {**summary, "skipped": True}
     if any(i["schema"] == "labels.v1" for i in infos.values()):
         logger.warning("export: labels.v1 tables carry no uid; using sha256(key)'s first 128 bits")
     labelled = sum(i["rows"] for i in infos.values())

@@ -129,7 +129,11 @@ class IndexStoreActor(IndexStore):
             return int(self.ids.size)  # restored from the table: this call is Ray's retry
         self.parts = []
         self.add(*parts)
-        trained = None if trained_image is None else {**trained_image, **trained_text}
+        trained = (
+            None
+            if trained_image is None or trained_text is None
+            else {**trained_image, **trained_text}
+        )
         rows = self.build(trained)
         for modality, blob in (trained or {}).items():
             with open_atomic(_codebook_path(self.restore, modality)) as handle:
@@ -150,7 +154,7 @@ class IndexStoreActor(IndexStore):
             name = f"{role}_{modality}_{shard:03d}.faiss"
             blob = self.serialized(modality)
             with open_atomic(f"{folder}/{name}") as handle:
-                handle.write(memoryview(blob))
+                handle.write(memoryview(blob))  # type: ignore[arg-type]
             del blob
             out[modality] = name
         return out

@@ -55,6 +55,8 @@ def _label_table(
 ) -> pa.Table:
     n = table.num_rows
     valid = inputs.masks.valid
+    prob = inputs.scalars.prob
+    assert prob is not None  # load_shard ran add_posteriors
     metadata = labels_file_metadata(
         pipeline_version=context["version"],
         job_hash=spec.job_hash,
@@ -76,7 +78,7 @@ def _label_table(
         "url": table.column("url"),
         "caption": table.column("caption"),
         "soft_label": pa.array(labels.soft_label, pa.float32()),
-        "clean_prob": pa.array(np.where(valid, inputs.scalars.prob, 0.0), pa.float32()),
+        "clean_prob": pa.array(np.where(valid, prob, 0.0), pa.float32()),
         "subset": pa.DictionaryArray.from_arrays(
             pa.array(labels.subset, pa.int8()), pa.array(SUBSET_VALUES, pa.string())
         ),

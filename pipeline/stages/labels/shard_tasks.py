@@ -109,11 +109,11 @@ def add_posteriors(spec: LabelSpec, scalars: ShardScalars, fits: dict[str, Mixtu
     if spec.method.direction_posteriors or both:
         scalars.alpha_i2t = clean_posterior(fits["gmm_i2t"], scalars.loss_i2t)
         scalars.alpha_t2i = clean_posterior(fits["gmm_t2i"], scalars.loss_t2i)
-    if both:
-        # A NaN in either direction stays NaN: such a pair is never clean.
-        scalars.prob = np.minimum(scalars.alpha_i2t, scalars.alpha_t2i)
-    else:
-        scalars.prob = clean_posterior(fits[spec.mixture_kind], scalars.loss)
+        if both:
+            # A NaN in either direction stays NaN: such a pair is never clean.
+            scalars.prob = np.minimum(scalars.alpha_i2t, scalars.alpha_t2i)
+            return
+    scalars.prob = clean_posterior(fits[spec.mixture_kind], scalars.loss)
 
 
 def _load_scalars(
@@ -229,7 +229,10 @@ def competitor_loss_task(spec: LabelSpec, shard: str, offset: int, neighbours) -
     from pipeline.io.tables import write_table_atomic
 
     path = spec.embeddings_path(shard)
-    metadata = read_embeddings_footer(path).meta
+    footer = read_embeddings_footer(path)
+    if footer is None:
+        raise FileNotFoundError(f"{path}: the shard's embeddings table is missing")
+    metadata = footer.meta
     scale = float(metadata.get(f"ncl.logit_scale.{spec.view}") or 1 / 0.07)
     table = read_table(path, _embedding_columns(spec.view))
     u = embedding_matrix(table.column(f"image_embedding_{spec.view}"))
@@ -261,6 +264,7 @@ def index_rows_task(
     carries the fields the role stores (keys, captions, image groups).
     """
     role = spec.method.index_role(spec.params)
+    assert role is not None  # the driver runs this task only for a method with an index
     labelling = spec.labelling_view
     path = spec.embeddings_path(shard)
     extra = {"keys": ["key"], "captions": ["caption"], "groups": []}

@@ -21,7 +21,7 @@ import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -216,18 +216,17 @@ def _targets(view: ViewSpec, phase: Phase, labels: _ShardLabels, keys: list[str]
     )
     captions: list[str | None] = [None] * len(keys)
     sources: list[str | None] = [None] * len(keys)
-    for i in np.flatnonzero(targets.use_proxy):
-        captions[i] = labels.proxy_caption[rows[i]]
-        sources[i] = labels.proxy_key[rows[i]]
-    added = [
-        (
-            int(i),
-            labels.proxy_caption[rows[i]],
-            float(targets.proxy_row[i]),
-            labels.proxy_key[rows[i]],
-        )
-        for i in np.flatnonzero(targets.proxy_row > 0)
-    ]
+    added: list[tuple[int, str | None, float, str | None]] = []
+    # Without proxies the targets use none (use_proxy and proxy_row are all off).
+    if labels.proxy_caption is not None and labels.proxy_key is not None:
+        proxy_caption, proxy_key = labels.proxy_caption, labels.proxy_key
+        for i in np.flatnonzero(targets.use_proxy):
+            captions[i] = proxy_caption[rows[i]]
+            sources[i] = proxy_key[rows[i]]
+        added = [
+            (int(i), proxy_caption[rows[i]], float(targets.proxy_row[i]), proxy_key[rows[i]])
+            for i in np.flatnonzero(targets.proxy_row > 0)
+        ]
     return targets.weight, targets.reliable, captions, sources, added
 
 
@@ -252,7 +251,7 @@ def _shard_rows(view, phase, labels, samples, extras) -> dict:
         weights, reliable, proxy_captions, proxy_sources, added = _targets(
             view, phase, labels, keys
         )
-    rows = {
+    rows: dict[str, Any] = {
         "sample": list(range(n)),
         "caption": [c or s.caption for c, s in zip(proxy_captions, samples, strict=True)],
         "weight": list(weights),
@@ -265,7 +264,9 @@ def _shard_rows(view, phase, labels, samples, extras) -> dict:
     proxy_rows = [(i, caption, w, keys[i], source or keys[i]) for i, caption, w, source in added]
     # Text direction: the proxy image Ï (a sample of this shard) with the noisy caption T_n.
     where = {k: i for i, k in enumerate(keys)}
-    extra_weights = proxy_image_weights(view.target, phase, [e[2] for e in extras])
+    extra_weights = proxy_image_weights(
+        view.target, phase, np.asarray([e[2] for e in extras], np.float32)
+    )
     for (image_key, caption, _, noisy_key), weight in zip(extras, extra_weights, strict=True):
         if weight > 0 and image_key in where:  # else Ï not admitted or not decodable
             proxy_rows.append((where[image_key], caption, weight, image_key, noisy_key))
@@ -484,8 +485,8 @@ def _shard_batches(images: _Images, path: str, reference, rows: tuple, tokenizer
         picks = [i for i in picks if images.get(i, warn=False) is not None]
     samples = [read.samples[i] for i in picks]
     table = _shard_rows(view, phase, labels, samples, extras)
-    order = np.random.default_rng([view.seed, epoch, zlib.crc32(shard.encode())])
-    order = order.permutation(len(table["sample"]))
+    rng = np.random.default_rng([view.seed, epoch, zlib.crc32(shard.encode())])
+    order = rng.permutation(len(table["sample"]))
     for start in range(0, len(order), size):
         chunk = order[start : start + size]
         pixels = [images.get(picks[table["sample"][row]]) for row in chunk]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import pickle
 import threading
+from typing import TYPE_CHECKING
 
 from pipeline.config import JobConfig
 from pipeline.errors import root_cause
@@ -28,6 +29,9 @@ from pipeline.stages.train.data import (
 )
 from pipeline.stages.train.loop import NOT_RETRIED, epoch_line, train_loop
 from pipeline.stages.train.spec import VIEW_NAMES, TrainSpec
+
+if TYPE_CHECKING:
+    from pipeline.runtime.progress import Progress
 
 __all__ = ["ray_requests", "run_training", "train_loop_config", "worker_options"]
 
@@ -91,7 +95,7 @@ class _EpochBars:
     (and tracked) here."""
 
     def __init__(self) -> None:
-        self.current = None
+        self.current: Progress | None = None
         self.finished: set[str] = set()
 
     def counts(self, counts: dict) -> None:

@@ -9,6 +9,7 @@ import math
 import pickle
 import time
 import traceback
+from typing import Any
 
 import torch
 
@@ -62,7 +63,8 @@ WEIGHT_QUANTILES = (0.1, 0.5, 0.9)
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     # CLIP practice: no weight decay on gains, biases and the temperature.
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
@@ -472,6 +474,7 @@ def _run_epoch(
         batches = next(steps_in, None)
         if not all_have(batches is not None, device):
             break
+        assert batches is not None  # all_have is False when this rank has none
         stepping = [(t, b) for t, b, d in zip(active, batches, done, strict=True) if index >= d]
         if not stepping:
             continue
@@ -589,7 +592,7 @@ def _eval_set(spec: TrainSpec, shards: tuple[str, ...], trainer: _ViewTrainer):
 def _finish(spec: TrainSpec, trainers: list[_ViewTrainer]) -> None:
     """Keep each view's final weights, evaluate them (A, B, A+B) and write the summary last."""
     layout = RunLayout(spec.output)
-    summary = {
+    summary: dict[str, Any] = {
         "round": spec.round_index,
         "round_kind": spec.round_kind,
         "views": {},
