@@ -1,5 +1,5 @@
 """The type check: mypy with pyproject.toml's [tool.mypy] (strict on pipeline/core, mypy's
-defaults elsewhere, the modules not yet clean listed there) passes on the package. CI runs
+defaults elsewhere, no module exempt) passes on the package. CI runs
 `make test` only, so the check runs here as well as in `make lint`. The cache lives under
 .venv (or a temporary folder without one), so a rerun checks only what changed."""
 
