@@ -261,7 +261,8 @@ def test_worker_nodes_lost_in_each_stage_change_no_label(nodes, corpus, referenc
 # of the same job into the same output resumes, and the last one finishes.
 DRIVER_KILLS = (
     "rounds/0/embeddings/00000.parquet",  # the round-0 embed pass
-    "rounds/0/checkpoints/A/resume.pt",  # the warm-up
+    # the warm-up: resume.pt while it trains, model.pt once it is done (resume.pt removed)
+    "rounds/0/checkpoints/A/*.pt",
     "rounds/1/labels_a/0000*.parquet",  # round 1's label pass
     "labels/gen-*/0000*.parquet",  # publishing
 )

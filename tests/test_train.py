@@ -107,6 +107,15 @@ def test_one_worker_trains_without_ray_train(warmed):
     assert not (Path(RunLayout(str(output)).round_dir(0)) / "ray_train").exists()
 
 
+def test_a_finished_round_keeps_only_its_weights(warmed):
+    """After train_summary.json, a round's resume state and best-epoch copy are removed: a
+    finished round is never resumed, and model.pt holds the weights it kept."""
+    output, _ = warmed
+    for view in ("A", "B"):
+        folder = Path(RunLayout(str(output)).model_checkpoint(0, view)).parent
+        assert sorted(p.name for p in folder.iterdir()) == ["model.pt"]
+
+
 def test_resume_after_a_failure_mid_epoch_gives_identical_weights(corpus, warmed, tmp_path):
     """A run killed mid-epoch resumes from its last step checkpoint and skips the consumed
     batches; the data order is a pure function of (seed, epoch), so the result is bit-identical

@@ -6,8 +6,8 @@ Contract: `run_training(spec)` trains both views of one `TrainSpec` (the warm-up
 its peer's label table by key) with their own seeds, data order and optimizers; the order is a
 pure function of (seed, view, epoch), so a resumed run sees the batches the killed one would
 have. It writes `rounds/<r>/checkpoints/<VIEW>/resume.pt` atomically during the run, `model.pt`
-at the end and `train_summary.json` last. Whether a round runs at all is the run state's
-decision (`pipeline.run.state`).
+at the end and `train_summary.json` last, then removes `resume.pt` (a finished round is not
+resumed). Whether a round runs at all is the run state's decision (`pipeline.run.state`).
 """
 
 from pipeline.stages.train.data import epoch_shard_order, read_training_batches

@@ -28,7 +28,7 @@ from pipeline.errors import root_cause
 from pipeline.io.admitted import ShardChangedError
 from pipeline.io.checkpoints import load_torch, save_torch_atomic
 from pipeline.io.layout import RUN_STATE_FIELD, RunLayout
-from pipeline.io.tables import read_json, write_json_atomic
+from pipeline.io.tables import read_json, remove_path, write_json_atomic
 from pipeline.models import load_clip
 from pipeline.runtime.devices import GpuUnusableError
 from pipeline.stages.train.data import TARGET_STATS, steps_per_epoch
@@ -625,3 +625,8 @@ def _finish(spec: TrainSpec, trainers: list[_ViewTrainer]) -> None:
     if spec.run_state is not None:
         summary[RUN_STATE_FIELD] = spec.run_state
     write_json_atomic(summary, layout.train_summary(spec.round_index))
+    # A finished round is never resumed and model.pt holds the weights it kept: the resume
+    # state (weights and optimizer moments) and the best epoch's copy would only take space.
+    for t in trainers:
+        remove_path(layout.resume_state(spec.round_index, t.view.name))
+        remove_path(layout.best_model(spec.round_index, t.view.name))
