@@ -55,7 +55,7 @@ def time_pipeline(
                 batch_size=args.batch,
                 forward_batch_size=args.forward_batch or args.batch,
                 decode=decode,
-                decode_threads=args.threads,
+                decode_threads=args.decode_threads or args.threads,
                 concurrency=1,
                 cpus_per_worker=args.threads,
                 gpus_per_worker=gpus,
@@ -117,6 +117,9 @@ def main() -> None:
     )
     parser.add_argument("--decode", nargs="+", default=["cpu", "device"], help="embed.decode")
     parser.add_argument("--threads", type=int, default=2, help="torch + decode threads")
+    parser.add_argument(
+        "--decode-threads", type=int, default=0, help="embed.decode_threads (0: --threads)"
+    )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per actor)")
@@ -154,6 +157,7 @@ def main() -> None:
         "device": args.device,
         "precision": args.precision,
         "threads": args.threads,
+        "decode_threads": args.decode_threads or args.threads,
         "load_1min": round(os.getloadavg()[0], 1),  # others' work on the machine, at the end
     }
     for name, value in med.items():
