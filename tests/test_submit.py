@@ -22,10 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct free ports on loopback. The sockets stay bound until all are chosen: one
+    closed before the next bind can be handed out again, and Ray refuses a head whose
+    components share a port."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +40,9 @@ def head():
     # 107 bytes, which .../session_<date>_<pid>/sockets/plasma_store under a deeper pytest
     # temp dir (a long --basetemp, pytest-xdist's .../popen-gw1/rayhead0/) exceeds.
     temp_dir = Path(tempfile.mkdtemp(prefix="ncl-head-"))
-    gcs_port, dash_port = _free_port(), _free_port()
     # Fixed default ports (agent 52365, metrics, runtime env) would clash with the session's
     # local Ray: give this head its own.
-    agent_http, agent_grpc, metrics, runtime_env = (_free_port() for _ in range(4))
+    gcs_port, dash_port, agent_http, agent_grpc, metrics, runtime_env = _free_ports(6)
     # As on a real cluster node, the project's console script is on the head's PATH.
     env = {
         **os.environ,

@@ -48,11 +48,8 @@ __all__ = [
 
 # ids (M,) int64 -> (M, D) float32 embeddings; lets a caller keep the database out of memory.
 EmbeddingLookup = Callable[[np.ndarray], np.ndarray]
-# A faiss.Index: faiss ships no type information.
-FaissIndex = Any
+FaissIndex = Any  # a faiss.Index: faiss ships no type information
 
-# FAISS GPU indexes cannot select more than this many neighbours per query.
-_GPU_MAX_K = GPU_MAX_K
 # Rows x candidates x dim of float64 scratch per chunk in `exact_scores` (~32 MB).
 _EXACT_CHUNK_ELEMENTS = 4_000_000
 # Default number of training vectors sampled for IVF/PQ (faiss wants >= 39 per centroid).
@@ -124,6 +121,7 @@ def train_index(
 
     Train once and `faiss.clone_index` the result into every shard, so all shards share one
     coarse quantizer and one PQ codebook (their scores are then comparable when merged).
+    Returns a trained `faiss.Index` with METRIC_INNER_PRODUCT and no vectors.
 
     Args:
         factory: FAISS index_factory string, e.g. "Flat", "IVF1024,PQ64", "IVF4096,Flat".
@@ -133,9 +131,6 @@ def train_index(
             default when None); the main knob on training time.
         threads: OpenMP threads while training (None: the process's own). Centroids differ
             bitwise with it (and on a GPU); neighbours within `tests/test_knn.py`'s tolerance.
-
-    Returns:
-        A trained `faiss.Index` with METRIC_INNER_PRODUCT and no vectors.
     """
     lib = _require_faiss()
     sample = _as_matrix(sample, "sample")
@@ -285,10 +280,8 @@ def _gather(database: np.ndarray | EmbeddingLookup, ids: np.ndarray) -> np.ndarr
     if callable(database):
         rows = np.asarray(database(ids), dtype=np.float32)
         if rows.ndim != 2 or rows.shape[0] != ids.shape[0]:
-            raise ValueError(
-                f"lookup returned shape {rows.shape} for {ids.shape[0]} ids; "
-                "it must return one (D,) row per id"
-            )
+            shape = f"shape {rows.shape} for {ids.shape[0]} ids"
+            raise ValueError(f"lookup returned {shape}; it must return one (D,) row per id")
         return rows
     return np.asarray(database[ids], dtype=np.float32)
 
@@ -455,7 +448,7 @@ class IndexShard:
         self.k_factor = k_factor
         # float32 dot products of unit vectors err by at most ~d * 2^-24; keep a 2x margin.
         self.tol = tol if tol is not None else max(1e-5, 2.0 * index.d * 2.0**-24)
-        self._max_k = _GPU_MAX_K if is_gpu_index(index) else None
+        self._max_k = GPU_MAX_K if is_gpu_index(index) else None
 
     @classmethod
     def build(
