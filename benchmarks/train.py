@@ -16,7 +16,7 @@
    off the plateau), vanilla (all pairs, no selection) and oracle (ground-truth clean pairs only,
    joined as a label table).
 
-3. With `--readers`, only the training readers (`epoch_batches`, the Ray Data pipeline of one
+3. With `--readers`, only the training readers (`round_batches`, the Ray Data pipeline of one
    view, iterated without training) on the same pairs as 64 px JPEGs for ncl-tiny and as
    256 px JPEGs for ViT-B-32's 224 px transform, with the pixel cache (`train.pixel_cache_gb`)
    and without: samples/s of the first epoch and of the later ones (median), and the machine's
@@ -168,19 +168,18 @@ def reader_rates(corpus, model: ModelSpec, tmp: str, cache_gb: float, epochs: in
     """The training readers alone, epoch after epoch: samples/s and machine CPU-s per 1,000."""
     import psutil
 
-    from pipeline.stages.train.data import epoch_batches
+    from pipeline.stages.train.data import round_batches
 
     train = train_config(64, 1e-3, epochs, False, f"{tmp}/pixels-{model.name}", cache_gb)
     spec = train_spec(corpus, f"{tmp}/readers", views=(), mode="warmup", epochs=epochs, train=train)
     view = ViewSpec("A", model, seed=0)
-    rates, cpu_per_1k = [], []
-    for epoch in range(epochs):
-        cpu = sum(psutil.cpu_times()[:2])
-        started, seen = time.perf_counter(), 0
-        for batch in epoch_batches(spec, view, epoch, 0, 1):
-            seen += len(batch["tokens"])
-        rates.append(seen / (time.perf_counter() - started))
-        cpu_per_1k.append((sum(psutil.cpu_times()[:2]) - cpu) / seen * 1000)
+    seen = [0] * epochs
+    ends = [(time.perf_counter(), sum(psutil.cpu_times()[:2]))] * (epochs + 1)  # at each end
+    for epoch, batch in round_batches(spec, view, 0, 0, 1):
+        seen[epoch] += len(batch["tokens"])
+        ends[epoch + 1] = (time.perf_counter(), sum(psutil.cpu_times()[:2]))
+    rates = [seen[e] / (ends[e + 1][0] - ends[e][0]) for e in range(epochs)]
+    cpu_per_1k = [(ends[e + 1][1] - ends[e][1]) / seen[e] * 1000 for e in range(epochs)]
     return {
         "first_epoch_samples_per_s": round(rates[0], 1),
         "later_samples_per_s": round(statistics.median(rates[1:]), 1),

@@ -1,85 +1,73 @@
-"""The next epoch's data starts early (pipeline.stages.train.prefetch): the same batches in the
-same order, errors raised where the caller iterates, pipelines closed when not used, and the
-start decided by the steps left against the measured start-up."""
+"""One data pipeline per view and round (pipeline.stages.train.prefetch, and the batching in
+pipeline.stages.train.data): each epoch's batches are its own rows cut in order with the last
+partial batch dropped, handed out one epoch at a time, an epoch cut short leaves its rest
+unread, and closing ends the pipeline."""
 
 from __future__ import annotations
 
-import threading
-
+import numpy as np
 import pytest
 
-from pipeline.stages.train.prefetch import MAX_EARLY_SHARE, START_MARGIN, EarlyStart, start_due
+from pipeline.stages.train.data import cut_epoch_batches
+from pipeline.stages.train.prefetch import EpochStream
 
 
-def _counting(items, log: list):
-    """A generator over `items` that logs each fetch and whether it was closed."""
+def _blocks(rows_per_epoch: dict[int, int], block: int) -> list[dict[str, np.ndarray]]:
+    """Rows numbered in order, epoch after epoch, in blocks of at most `block` rows (a block
+    may span two epochs)."""
+    epochs = np.concatenate([np.full(n, e) for e, n in rows_per_epoch.items()])
+    ids = np.arange(len(epochs))
+    return [
+        {"epoch": epochs[a : a + block], "id": ids[a : a + block]}
+        for a in range(0, len(ids), block)
+    ]
+
+
+@pytest.mark.parametrize("block", [1, 3, 5, 7, 64])
+def test_each_epoch_is_cut_alone_and_its_partial_batch_dropped(block):
+    rows = {0: 10, 1: 7, 2: 4, 3: 12}
+    got = list(cut_epoch_batches(_blocks(rows, block), size=4))
+    # The reference: each epoch's rows alone, cut into 4s, the rest dropped.
+    want, start = [], 0
+    for epoch, n in rows.items():
+        ids = list(range(start, start + n))
+        want += [(epoch, ids[i : i + 4]) for i in range(0, n - n % 4, 4)]
+        start += n
+    assert [(e, b["id"].tolist()) for e, b in got] == want
+    assert all(set(b["epoch"].tolist()) == {e} for e, b in got)
+
+
+def _pairs(log: list, epochs: dict[int, int]):
+    """(epoch, batch) pairs that log each fetch and whether they were closed."""
     try:
-        for item in items:
-            log.append(("fetch", item, threading.current_thread().name))
-            yield item
+        for epoch, count in epochs.items():
+            for i in range(count):
+                log.append((epoch, i))
+                yield epoch, {"epoch": epoch, "i": i}
     finally:
-        log.append(("closed",))
+        log.append("closed")
 
 
-@pytest.mark.parametrize("items", [[], [0], list(range(7))])
-def test_early_start_yields_the_same_items_in_order(items):
+def test_a_stream_hands_out_one_epoch_at_a_time_and_skips_the_rest_of_a_cut_epoch():
     log: list = []
-    assert list(EarlyStart(lambda: _counting(items, log))) == items
+    stream = EpochStream(_pairs(log, {0: 3, 1: 3, 2: 2}))
+    assert [b["i"] for b in stream.epoch(0)] == [0, 1, 2]
+    first = stream.epoch(1)
+    assert next(first)["i"] == 0  # epoch 1 cut short after one batch
+    assert [(b["epoch"], b["i"]) for b in stream.epoch(2)] == [(2, 0), (2, 1)]
+    assert list(stream.epoch(3)) == []
+    assert log[-1] == "closed"  # read to its end
 
 
-def test_the_first_item_is_fetched_on_a_thread_before_iteration():
+def test_an_epoch_not_yet_reached_yields_nothing_and_loses_nothing():
+    stream = EpochStream(_pairs([], {1: 2}))
+    assert list(stream.epoch(0)) == []
+    assert [b["i"] for b in stream.epoch(1)] == [0, 1]
+
+
+def test_close_ends_the_pipeline():
     log: list = []
-    early = EarlyStart(lambda: _counting([10, 11, 12], log))
-    early._thread.join()
-    assert log == [("fetch", 10, "epoch-data-start")]  # only the first, not the rest
-    assert early.start_s is not None and early.start_s >= 0
-    assert list(early) == [10, 11, 12]
-    main = threading.current_thread().name
-    assert [entry[2] for entry in log if entry[0] == "fetch"][1:] == [main, main]
-
-
-class _ShardError(Exception):
-    pass
-
-
-def _failing_pipeline():
-    raise _ShardError("shard 00003.tar changed since the embed pass")
-    yield  # a generator, as Ray Data's iterator is: the error comes with the first batch
-
-
-def _failing_plan():
-    raise _ShardError("no such label table")  # before any iterator exists
-
-
-@pytest.mark.parametrize("make", [_failing_pipeline, _failing_plan])
-def test_an_error_while_starting_is_raised_where_the_batches_are_read(make):
-    early = EarlyStart(make)
-    early._thread.join()  # the thread ends quietly; the error waits for the reader
-    with pytest.raises(_ShardError):
-        next(iter(early))
-
-
-def test_close_ends_a_pipeline_that_was_never_read():
-    log: list = []
-    early = EarlyStart(lambda: _counting(range(100), log))
-    early.close()
-    assert log[-1] == ("closed",) and len(log) == 2  # one fetch, then closed
-    assert list(early) == []
-
-
-def test_start_due_waits_for_a_measured_start_up():
-    assert not start_due(1, 100, 0.1, None)
-
-
-def test_start_due_when_the_steps_left_last_as_long_as_the_margin():
-    steps, step_s, start_s = 100, 0.1, 0.5
-    left = int(START_MARGIN * start_s / step_s)  # 10 steps of 0.1 s cover two 0.5 s start-ups
-    assert start_due(left, steps, step_s, start_s)
-    assert not start_due(left + 1, steps, step_s, start_s)
-
-
-def test_start_due_never_earlier_than_its_share_of_the_epoch():
-    steps = 40
-    limit = int(MAX_EARLY_SHARE * steps)
-    assert start_due(limit, steps, 0.1, 60.0)  # a cold first epoch: start-up of a minute
-    assert not start_due(limit + 1, steps, 0.1, 60.0)
+    stream = EpochStream(_pairs(log, {0: 100}))
+    assert next(stream.epoch(0))["i"] == 0
+    stream.close()
+    assert log == [(0, 0), "closed"]

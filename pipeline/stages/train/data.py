@@ -7,9 +7,9 @@ round-0 embed pass decoded them) or, without an embed pass, as model-resolution 
 order at a time, resized and cropped to the model's resolution, and ships uint8 pixels
 (4x fewer bytes than float32). Once a shard's images are all decoded they go to the node's
 pixel cache (`pipeline.io.pixel_cache`, `train.pixel_cache_gb`), which the next epoch's,
-view's and round's readers of that shard read instead of decoding. `epoch_batches` normalises
-them where Ray Data delivers the batch (the training worker's device): the eval transform's
-own operations, so the pixels are bit-identical to the transform's (tests/test_pixels.py).
+view's and round's readers of that shard read instead of decoding. `round_batches` normalises
+them on the training worker's device: the eval transform's own operations, so the pixels are
+bit-identical to the transform's (tests/test_pixels.py).
 """
 
 from __future__ import annotations
@@ -56,10 +56,12 @@ from pipeline.stages.train.spec import TrainSpec, ViewSpec
 
 __all__ = [
     "READER_TASK_OPTIONS",
-    "epoch_batches",
+    "cut_epoch_batches",
     "epoch_phase",
     "epoch_shard_order",
+    "read_round_batches",
     "read_training_batches",
+    "round_batches",
     "reader_tasks_per_view",
     "source_id",
     "text_proxy_pairs",
@@ -527,17 +529,54 @@ def _admitted_dir(spec: TrainSpec) -> str | None:
     return folder if file_exists(folder) else None
 
 
-def epoch_batches(spec: TrainSpec, view: ViewSpec, epoch: int, rank: int, world: int):
+def read_round_batches(
+    batch: dict[str, np.ndarray], *, phases: dict[int, Phase], **options: Any
+) -> Iterator[dict[str, np.ndarray]]:
+    """Ray Data UDF over (path, epoch) rows: `read_training_batches` of each row's shard in its
+    epoch's phase, with an "epoch" column added (`options`: its other keywords)."""
+    for path, epoch in zip(batch["path"], batch["epoch"], strict=True):
+        epoch = int(epoch)
+        rows = {"path": np.array([path])}
+        for out in read_training_batches(rows, epoch=epoch, phase=phases[epoch], **options):
+            out["epoch"] = np.full(len(out["tokens"]), epoch, dtype=np.int64)
+            yield out
+
+
+BATCH_DTYPES = {
+    "tokens": torch.int64,
+    "weight": torch.float32,
+    "reliable": torch.float32,
+    "proxy": torch.float32,
+    "image_group": torch.int64,
+    "text_group": torch.int64,
+}
+
+
+def round_batches(
+    spec: TrainSpec, view: ViewSpec, first_epoch: int, rank: int, world: int, device=None
+) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """(epoch, batch) for every epoch of the round from `first_epoch` on, from one Ray Data
+    pipeline: its readers run on into the next epoch while this one trains, where a pipeline
+    per epoch paid Ray Data's start-up at each epoch boundary. Each epoch's batches are those
+    of its own order cut into `train.batch_size` rows, its last partial batch dropped, as
+    before; pixels are normalised on `device` (uint8 until then)."""
     import ray
 
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True  # the seeded order must survive the pipeline
     ctx.enable_progress_bars = False
-    shards = epoch_shard_order(spec.shards, view.seed, epoch)[rank::world]
-    phase = epoch_phase(spec, view, epoch)
-    dataset = ray.data.from_items([{"path": p} for p in shards], override_num_blocks=len(shards))
+    epochs = range(first_epoch, spec.max_epochs)
+    orders = {e: epoch_shard_order(spec.shards, view.seed, e)[rank::world] for e in epochs}
+    items = [{"path": p, "epoch": e} for e, paths in orders.items() for p in paths]
+    phases = {e: epoch_phase(spec, view, e) for e in epochs}
+    shards = sorted({p for paths in orders.values() for p in paths})  # they change by epoch
+    # The proxies' rows weigh 0 outside the noisy phase: one table serves every epoch.
+    proxies = {}
+    if any(phase.noisy for phase in phases.values()):
+        proxies = _text_proxies(spec, view, Phase(noisy=True, quasi_clean=True), shards)
+    dataset = ray.data.from_items(items, override_num_blocks=max(len(items), 1))
     dataset = dataset.map_batches(
-        read_training_batches,
+        read_round_batches,
         batch_size=1,
         **READER_TASK_OPTIONS,
         # On CPU the trainer shares the node's cores with its readers: Ray Data's default.
@@ -547,42 +586,48 @@ def epoch_batches(spec: TrainSpec, view: ViewSpec, epoch: int, rank: int, world:
             else None
         ),
         fn_kwargs={
+            "phases": phases,
             "model": view.init,
             "decode": spec.decode,
             "view": view,
-            "epoch": epoch,
-            "phase": phase,
             "admitted_dir": _admitted_dir(spec),
-            "text_proxies": _text_proxies(spec, view, phase, shards),
+            "text_proxies": proxies,
             "pixel_cache": PixelCache(
                 spec.train.pixel_cache_dir, int(spec.train.pixel_cache_gb * 1e9)
             ),
         },
     )
     _, _, pixels = _transforms(view.init)
-    batches = dataset.iter_torch_batches(
-        batch_size=spec.train.batch_size,
-        drop_last=True,
-        prefetch_batches=2,
-        dtypes={
-            "pixels": torch.uint8 if pixels is not None else torch.float32,
-            "tokens": torch.int64,
-            "weight": torch.float32,
-            "reliable": torch.float32,
-            "proxy": torch.float32,
-            "image_group": torch.int64,
-            "text_group": torch.int64,
-        },
-    )
-    return batches if pixels is None else _normalised(batches, pixels)
+    blocks = dataset.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2)
+    for epoch, batch in cut_epoch_batches(blocks, spec.train.batch_size):
+        out = {name: torch.as_tensor(batch[name], dtype=t) for name, t in BATCH_DTYPES.items()}
+        image = torch.as_tensor(batch["pixels"]).to(device or "cpu", non_blocking=True)
+        out["pixels"] = normalize_pixels(image, pixels) if pixels is not None else image.float()
+        yield epoch, out
 
 
-def _normalised(batches, pixels: PixelSpec):
-    """The batches with uint8 pixels normalised to float32 where Ray Data put them (the
-    worker's device under Ray Train)."""
-    for batch in batches:
-        batch["pixels"] = normalize_pixels(batch["pixels"], pixels)  # (B, 3, H, W) float32
-        yield batch
+def cut_epoch_batches(blocks, size: int) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+    """(epoch, batch of `size` rows) from blocks of rows in order (each with an "epoch"
+    column, epochs ascending): each epoch's rows cut in turn, its last partial batch dropped
+    (so no batch mixes two epochs)."""
+    held: list[dict[str, np.ndarray]] = []  # rows of `current` not yet in a batch
+    count, current = 0, -1
+    for block in blocks:
+        epochs = np.asarray(block["epoch"])
+        starts = [0, *(np.flatnonzero(np.diff(epochs)) + 1).tolist(), len(epochs)]
+        for a, b in zip(starts[:-1], starts[1:], strict=True):
+            if a == b:
+                continue
+            if epochs[a] != current:
+                held, count, current = [], 0, int(epochs[a])
+            held.append({name: column[a:b] for name, column in block.items()})
+            count += b - a
+            while count >= size:
+                rows = {name: np.concatenate([h[name] for h in held]) for name in held[0]}
+                yield current, {name: column[:size] for name, column in rows.items()}
+                rest = {name: column[size:] for name, column in rows.items()}
+                count -= size
+                held = [rest] if count else []
 
 
 def steps_per_epoch(spec: TrainSpec, world: int) -> int:

@@ -32,7 +32,7 @@ from pipeline.io.tables import read_json, remove_path, write_json_atomic
 from pipeline.models import load_clip
 from pipeline.runtime.devices import GpuUnusableError
 from pipeline.stages.train.data import TARGET_STATS, steps_per_epoch
-from pipeline.stages.train.prefetch import EpochData, start_due
+from pipeline.stages.train.prefetch import EpochData
 from pipeline.stages.train.spec import TrainSpec, ViewSpec
 from pipeline.stages.train.sync import all_have, from_rank0, is_distributed, sum_across
 
@@ -376,7 +376,7 @@ def _train(spec: TrainSpec, board, ray_train: bool) -> None:
     trainers = [_ViewTrainer(spec, view, device, **schedule) for view in spec.views]
     val_set = _eval_set(spec, spec.val_shards, trainers[0]) if rank == 0 else None
     injected = [0]  # steps run by this process, for the fault-injection test
-    data = EpochData(spec, rank, world)
+    data = EpochData(spec, rank, world, device)
     try:
         while not all(t.stopped for t in trainers):
             epoch = min(t.epoch for t in trainers if not t.stopped)
@@ -393,12 +393,15 @@ def _train(spec: TrainSpec, board, ray_train: bool) -> None:
                 rsum = results.get(t.view.name, {}).get("rsum")
                 _end_epoch(spec, t, epoch, rsum, seen, seconds, rank, board)
             _agree_on_stops(active, device)
+            for t in active:
+                if t.stopped:
+                    data.stop(t.view)  # its readers would run on into epochs it never trains
             if ray_train:  # Ray Train's controller follows the workers' epochs
                 import ray.train
 
                 ray.train.report({"epoch": epoch})
     finally:
-        data.close()  # a pipeline started for an epoch that did not run, or left by an error
+        data.close()  # the pipelines' readers run ahead: end them (also after an error)
     if rank == 0:
         _finish(spec, trainers)
 
@@ -455,8 +458,8 @@ def checkpoint_due(train, steps_done: int, since_save_s: float) -> bool:
 def _run_epoch(
     spec, data: EpochData, active, epoch, steps, device, injected, board=None
 ) -> tuple[int, float]:
-    """One epoch of every active view, in lockstep; returns (samples seen, seconds). The next
-    epoch's data starts before this one ends (`pipeline.stages.train.prefetch`).
+    """One epoch of every active view, in lockstep; returns (samples seen, seconds). The data
+    of later epochs is read meanwhile (`pipeline.stages.train.prefetch`).
 
     A step is taken only when every rank has a batch for it: a rank whose shards hold fewer
     usable samples than `shard_sizes` promised (samples without a label row) ends the epoch for
@@ -482,9 +485,6 @@ def _run_epoch(
             t.train_step(b, device)
         seen += spec.train.batch_size * world
         injected[0] += 1
-        step_s = (time.perf_counter() - started) / (index + 1)
-        if start_due(steps - index - 1, steps, step_s, data.start_s()):
-            data.start_next(views, epoch + 1)
         if rank == 0 and ((index + 1) % report_every == 0 or index + 1 == steps):
             # The same quantity as the epoch line's, on this rank's batches so far.
             names = " ".join(

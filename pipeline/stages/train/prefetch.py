@@ -1,125 +1,80 @@
-"""Each view's batches epoch after epoch, the next epoch's pipeline started before this one ends.
+"""Each view's batches epoch after epoch, from one data pipeline per view and round.
 
-An epoch's first batch waits for its data pipeline to start: Ray Data plans and launches the
-readers, the first shard is read, decoded and tokenized. The training worker would idle that
-long at every epoch boundary. `EpochData` starts the next epoch's pipeline on a thread when
-the steps left in this epoch take about as long as the last start-up did (`start_due`), so its
-first batch is ready when this epoch ends. The batches and their order are the same either
-way (a pure function of seed, view and epoch: `pipeline.stages.train.data`); only when they
-are fetched changes. A pipeline started for an epoch that never runs (the warm-up stopped) is
-closed, which ends its readers.
+A data pipeline's first batch waits for Ray Data to plan and launch its readers and for the
+first shard to be read; a pipeline per epoch paid that at every epoch boundary, on the CPUs the
+training step needs. `EpochData` starts one pipeline per view for every epoch the round has left
+(`pipeline.stages.train.data.round_batches`), so its readers run on into the next epoch while
+this one trains, and hands out one epoch's batches at a time. The batches and their order are
+those of a pipeline per epoch (a pure function of seed, view and epoch); an epoch cut short
+(a rank without a batch ends it for all) leaves its remaining batches unread. A view that stops
+(the warm-up's patience) has its pipeline closed, which ends its readers.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 
-from pipeline.stages.train.data import epoch_batches
+import torch
+
+from pipeline.stages.train.data import round_batches
 from pipeline.stages.train.spec import TrainSpec, ViewSpec
 
-__all__ = ["EarlyStart", "EpochData", "start_due"]
-
-# The next epoch starts this many of its measured start-ups before the current epoch ends: its
-# readers then compete with the last steps for the CPUs, so a start-up takes longer than alone.
-START_MARGIN = 2.0
-# ... but never earlier than this share of the epoch before its end: two epochs' readers would
-# then wait for the same reader CPUs, and the current epoch's last shards come first.
-MAX_EARLY_SHARE = 0.25
+__all__ = ["EpochData", "EpochStream"]
 
 
-def start_due(steps_left: int, steps: int, step_s: float, start_s: float | None) -> bool:
-    """Whether the next epoch's pipeline starts now: `steps_left` of `steps` steps, taking
-    `step_s` seconds each so far, last as long as `START_MARGIN` start-ups of `start_s` seconds
-    (None: none measured yet, wait for it)."""
-    if start_s is None or steps_left > MAX_EARLY_SHARE * steps:
-        return False
-    return steps_left * step_s <= START_MARGIN * start_s
+class EpochStream:
+    """(epoch, batch) pairs, epochs ascending, handed out one epoch at a time."""
 
+    def __init__(self, pairs: Iterator[tuple[int, dict[str, torch.Tensor]]]):
+        self._pairs = pairs
+        self._ahead: tuple[int, dict[str, torch.Tensor]] | None = None  # read, not handed out
 
-class EarlyStart:
-    """The batches of `make()`, the first one fetched at once on a thread; iterating joins the
-    thread and yields it, then the rest in the caller's thread. An error while starting is
-    raised on iteration, as it would have been without the thread."""
-
-    def __init__(self, make: Callable[[], Iterable]):
-        self._started = time.perf_counter()
-        self.start_s: float | None = None  # seconds to the first batch, once it came
-        self._iterator: Iterator | None = None
-        self._first: list = []  # the first batch (empty: none, or not yet)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._fetch_first, args=(make,), name="epoch-data-start", daemon=True
-        )
-        self._thread.start()
-
-    def _fetch_first(self, make: Callable[[], Iterable]) -> None:
-        try:
-            self._iterator = iter(make())
-            self._first.append(next(self._iterator))
-        except StopIteration:
-            pass
-        except BaseException as exc:  # raised again in the consuming thread
-            self._error = exc
-        self.start_s = time.perf_counter() - self._started
-
-    def __iter__(self) -> Iterator:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        yield from self._first
-        self._first = []
-        if self._iterator is not None:
-            yield from self._iterator
+    def epoch(self, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The batches of `epoch`; those of earlier epochs still unread are skipped."""
+        while True:
+            if self._ahead is None:
+                self._ahead = next(self._pairs, None)
+                if self._ahead is None:
+                    return
+            got, batch = self._ahead
+            if got > epoch:
+                return
+            self._ahead = None
+            if got == epoch:
+                yield batch
 
     def close(self) -> None:
         """Stop the pipeline (Ray Data shuts its executor down when its iterator closes)."""
-        self._thread.join()
-        close = getattr(self._iterator, "close", None)
+        close = getattr(self._pairs, "close", None)
         if close is not None:
             close()
-        self._iterator, self._first = None, []
+        self._ahead = None
 
 
 class EpochData:
-    """The batches of each view and epoch on one rank, started early (see the module
-    docstring); `close` ends every pipeline still open."""
+    """The batches of each view and epoch on one rank, pixels normalised on `device`; `stop`
+    ends a view's pipeline, `close` every one."""
 
-    def __init__(self, spec: TrainSpec, rank: int, world: int):
-        self.spec, self.rank, self.world = spec, rank, world
-        self._early: dict[tuple[str, int], EarlyStart] = {}
-        self._current: list[EarlyStart] = []
+    def __init__(self, spec: TrainSpec, rank: int, world: int, device: torch.device | None = None):
+        self.spec, self.rank, self.world, self.device = spec, rank, world, device
+        self._streams: dict[str, EpochStream] = {}
 
-    def _start(self, view: ViewSpec, epoch: int) -> EarlyStart:
-        spec, rank, world = self.spec, self.rank, self.world
-        return EarlyStart(lambda: epoch_batches(spec, view, epoch, rank, world))
-
-    def batches(self, views: list[ViewSpec], epoch: int) -> list[EarlyStart]:
-        """Per view, the epoch's batches: started early, or now. The previous epoch's
-        pipelines, and those started for a view not in `views`, are closed."""
-        current = [self._early.pop((view.name, epoch), None) for view in views]
-        self.close()
-        self._current = [
-            early or self._start(view, epoch) for early, view in zip(current, views, strict=True)
-        ]
-        return self._current
-
-    def start_s(self) -> float | None:
-        """The current epoch's start-up: the slowest view's seconds to its first batch."""
-        measured = [e.start_s for e in self._current if e.start_s is not None]
-        return max(measured) if measured else None
-
-    def start_next(self, views: list[ViewSpec], epoch: int) -> None:
-        """Start `epoch`'s pipelines now (no epoch past the round's last)."""
-        if epoch >= self.spec.max_epochs:
-            return
+    def batches(self, views: list[ViewSpec], epoch: int) -> list[Iterator[dict[str, torch.Tensor]]]:
+        """Per view, the epoch's batches; a view's pipeline starts at its first epoch asked."""
+        out = []
         for view in views:
-            if (view.name, epoch) not in self._early:
-                self._early[(view.name, epoch)] = self._start(view, epoch)
+            if view.name not in self._streams:
+                pairs = round_batches(self.spec, view, epoch, self.rank, self.world, self.device)
+                self._streams[view.name] = EpochStream(pairs)
+            out.append(self._streams[view.name].epoch(epoch))
+        return out
+
+    def stop(self, view: ViewSpec) -> None:
+        stream = self._streams.pop(view.name, None)
+        if stream is not None:
+            stream.close()
 
     def close(self) -> None:
-        """Close every pipeline: the current epoch's and those started early."""
-        for early in [*self._current, *self._early.values()]:
-            early.close()
-        self._current, self._early = [], {}
+        for stream in self._streams.values():
+            stream.close()
+        self._streams = {}
