@@ -67,16 +67,27 @@ def _finish(proc: subprocess.Popen, output: Path, timeout: float = 600) -> None:
     assert proc.wait(timeout=timeout) == 0, _log(output)
 
 
-def _wait_for(proc: subprocess.Popen, output: Path, pattern: str, timeout: float = 400) -> None:
-    """Block until files matching every `|`-separated glob (under the run directory) exist."""
+def _poll(proc: subprocess.Popen, output: Path, what: str, found, timeout: float, every: float):
+    """`found()`'s first truthy result, asked every `every` s; the test fails when the job ends
+    or `timeout` passes first (`what`: what it waits for)."""
     deadline = time.monotonic() + timeout
-    while not all(list(output.glob(p)) for p in pattern.split("|")):
+    while not (result := found()):
         if proc.poll() is not None:
-            pytest.fail(f"the job ended before {pattern} appeared:\n{_log(output)}")
+            pytest.fail(f"the job ended before {what}:\n{_log(output)}")
         if time.monotonic() > deadline:
             proc.kill()
-            pytest.fail(f"{pattern} did not appear in {timeout}s:\n{_log(output)}")
-        time.sleep(0.05)
+            pytest.fail(f"no {what} within {timeout}s:\n{_log(output)}")
+        time.sleep(every)
+    return result
+
+
+def _wait_for(proc: subprocess.Popen, output: Path, pattern: str, timeout: float = 400) -> None:
+    """Block until files matching every `|`-separated glob (under the run directory) exist."""
+
+    def present() -> bool:
+        return all(list(output.glob(p)) for p in pattern.split("|"))
+
+    _poll(proc, output, f"{pattern} appeared", present, timeout, every=0.05)
 
 
 def _labels(output: Path) -> pa.Table:
@@ -166,28 +177,19 @@ def _pause_running(proc: subprocess.Popen, output: Path, title: str, timeout: fl
     """Pause (SIGSTOP) processes titled `title` and return those still titled so once stopped.
     A worker renames itself when its task ends, so a title read before the stop can be stale:
     the title read after it is what proves the task is paused mid-way."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stopped = []
+
+    def pause() -> list[psutil.Process]:
+        running = []
         for worker in _processes(title):
             with contextlib.suppress(psutil.Error):
                 worker.send_signal(signal.SIGSTOP)
-                stopped.append(worker)
-        running = []
-        for worker in stopped:
-            with contextlib.suppress(psutil.Error):
                 if title in " ".join(worker.cmdline()):
                     running.append(worker)
                 else:
                     worker.send_signal(signal.SIGCONT)
-        if running:
-            return running
-        if proc.poll() is not None:
-            pytest.fail(f"the job ended before a {title} process ran:\n{_log(output)}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"no {title} process ran within {timeout}s:\n{_log(output)}")
-        time.sleep(0.02)
+        return running
+
+    return _poll(proc, output, f"a {title} process ran", pause, timeout, every=0.02)
 
 
 def _wait_for_new_process(title: str, before: set[int], timeout: float = 60) -> None:
