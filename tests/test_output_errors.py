@@ -14,6 +14,7 @@ from pipeline.config import load_job
 from pipeline.io.shards import ShardReadError
 from pipeline.run import runner, space
 from pipeline.run.failures import explain_failure
+from pipeline.run.graph import stage_graph
 
 SHARD_ADVICE = "shard named above"
 STAGE = "the warm-up (round 0 training)"
@@ -79,6 +80,14 @@ def test_the_preflight_warns_below_the_estimate(tmp_path, caplog, monkeypatch):
     assert "estimated to write 3.8 MB more" in caplog.text and "160 pairs at" in caplog.text
     done = {"round0/embed": {"status": "done"}}
     assert space.estimate_output_bytes(job, 160, done) == need - 160 * 2_300
+    # A measured round's weights per training stage (the warm-up and each round), and the
+    # resume state of the round in training once.
+    trainings = [node for node in stage_graph(job) if node.kind in ("warmup", "train")]
+    assert len(trainings) == 1 + job.train.rounds
+    ckpt = space.estimate_output_bytes(job, 160, checkpoint_bytes=1_000) - need
+    assert ckpt == len(trainings) * 1_000 + space.TRAINING_STATE_FACTOR * 1_000
+    trained = {node.name: {"status": "done"} for node in stage_graph(job)}
+    assert space.estimate_output_bytes(job, 160, trained, checkpoint_bytes=1_000) == 0
 
 
 @pytest.mark.ray

@@ -5,7 +5,8 @@ from docs/cc3m.md's disk budget (a 512-d model with fp16 vectors, its worst case
 round 0's embeddings 2.3 KB per pair, a later round's two views 4.4 KB, a label pass 1.3 KB
 (index codes and ids 1.06 KB, the label table 0.2 KB), the published table 0.3 KB. Checkpoints
 do not depend on the corpus: a training stage counts the size of a checkpoint folder already
-written when there is one, else nothing (said in the message).
+written when there is one, else nothing (said in the message); the round in training holds
+`TRAINING_STATE_FACTOR` times that more until it ends.
 """
 
 from __future__ import annotations
@@ -83,12 +84,18 @@ def _folder_bytes(folder: str) -> int:
         return 0
 
 
+# A finished round keeps its models' weights; while it trains it also holds their resume
+# state (the weights again and AdamW's two moments) and the warm-up's best epoch.
+TRAINING_STATE_FACTOR = 4
+
+
 def estimate_output_bytes(
     job, pairs: int, done: Collection[str] = (), checkpoint_bytes: int = 0
 ) -> int:
     """Bytes the stages of `job` not in `done` write for `pairs` pairs (module docstring);
-    `checkpoint_bytes` per training stage (one round's checkpoint folder, both views)."""
-    total = 0
+    `checkpoint_bytes` per training stage (one finished round's checkpoint folder, both
+    views), and the resume state of the one in training on top."""
+    total, training = 0, False
     for node in stage_graph(job):
         if node.name in done:
             continue
@@ -98,7 +105,8 @@ def estimate_output_bytes(
             total += pairs * PER_PAIR_BYTES[node.kind]
         elif node.kind in ("warmup", "train"):
             total += checkpoint_bytes
-    return total
+            training = True
+    return total + (TRAINING_STATE_FACTOR * checkpoint_bytes if training else 0)
 
 
 def free_bytes(output: str) -> int | None:
