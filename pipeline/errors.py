@@ -67,10 +67,12 @@ class ShardFailuresError(UserError, RuntimeError):
     """More shards failed to read than `input.max_failed_shards` allows."""
 
 
-class RunInterrupted(BaseException):  # noqa: N818 (like KeyboardInterrupt, not an error)
-    """SIGINT or SIGTERM stopped the run (pipeline.run.interrupts). A BaseException, like
-    KeyboardInterrupt, so that no stage's `except Exception` handles it as a failure. The CLI
-    prints the message and exits with `exit_code` (128 + the signal: 130 Ctrl-C, 143 SIGTERM)."""
+class RunInterrupted(KeyboardInterrupt):  # noqa: N818 (a KeyboardInterrupt, not an error)
+    """SIGINT or SIGTERM stopped the run (pipeline.run.interrupts). A KeyboardInterrupt, so that
+    no stage's `except Exception` handles it as a failure, and so that Ray's `get`, which runs
+    signal handlers while it blocks, returns at once (it does so only for a KeyboardInterrupt;
+    any other exception from a handler waited for the task to end). The CLI prints the message
+    and exits with `exit_code` (128 + the signal: 130 Ctrl-C, 143 SIGTERM)."""
 
     def __init__(self, signum: int, stage: str = "") -> None:
         self.signum = signum

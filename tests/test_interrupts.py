@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from shared_run import SHARDS, write_corpus, write_job
 
 from pipeline.clients.read import labels_folder
 from pipeline.errors import RunInterrupted
-from pipeline.run.interrupts import Interrupts
+from pipeline.run.interrupts import Interrupts, catch_interrupts
 
 
 def cli_run(test):
@@ -53,6 +54,32 @@ def test_a_second_signal_exits_at_once(monkeypatch):
     assert first.value.exit_code == 130 and interrupts.signum == signal.SIGINT
     with pytest.raises(SystemExit, match=r"os\._exit\(143\)"):
         interrupts._handle(signal.SIGTERM, None)
+
+
+@pytest.mark.ray
+def test_a_signal_stops_a_driver_waiting_in_ray_get_at_once(local_ray):
+    """The driver waits for a one-worker training round in one `ray.get`. Ray runs the handler
+    while it blocks and returns at once only for a KeyboardInterrupt (`RunInterrupted` is one):
+    another exception from the handler waited for the task to end, or was lost."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def slow() -> None:
+        time.sleep(20)
+
+    ref = slow.remote()
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        with catch_interrupts() as interrupts:
+            started = time.monotonic()
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                ray.get(ref)
+            took = time.monotonic() - started
+    finally:
+        ray.cancel(ref, force=True)
+    assert took < 10, took
+    assert interrupts.signum == signal.SIGINT
 
 
 @cli_run

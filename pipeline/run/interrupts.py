@@ -2,9 +2,11 @@
 
 `catch_interrupts` installs handlers for the duration of `run_job` (in the main thread only;
 elsewhere it does nothing). The first signal raises `RunInterrupted` in the main thread, wherever
-it waits (Ray's `get` checks for signals while it blocks); `run_job` then stops Ray, releases the
-output's lease and re-raises it naming the stage, and the CLI exits with 128 + the signal. A
-second signal while that clean-up runs exits at once (`os._exit`).
+it waits: Ray's `get` runs the handler while it blocks and, the exception being a
+KeyboardInterrupt, raises a KeyboardInterrupt of its own at once. `run_job` then stops Ray,
+releases the output's lease and raises `RunInterrupted` naming the stage (also for a signal some
+library swallowed, once the stages return), and the CLI exits with 128 + the signal. A second
+signal while that clean-up runs exits at once (`os._exit`).
 
 `ray.init` installs handlers of its own, so the runner installs these again once Ray has
 started. Ray Train would replace the SIGINT handler on every `fit()` run in the main thread;

@@ -9,6 +9,7 @@ bad job fails in seconds with a message instead of a traceback.
 from __future__ import annotations
 
 import logging
+import signal
 from functools import partial
 
 from pipeline.config import JobConfig, JobConfigError
@@ -105,10 +106,13 @@ def _run_held(job, layout: RunLayout, shard_paths, manifest, interrupts: Interru
         )
         run = RunContext(job, layout, manifest, shard_paths)
         _run_stages(run, until)
+        if interrupts.signum is not None:  # a signal some library swallowed
+            raise RunInterrupted(interrupts.signum)
     except _StopAfter as stop:
         logger.debug(f"stopped after {stop} (until=)")
-    except RunInterrupted as exc:
-        raise _interrupted(exc.signum, run) from None
+    except KeyboardInterrupt as exc:  # ours, or Ray's get raising its own for our signal
+        signum = exc.signum if isinstance(exc, RunInterrupted) else interrupts.signum
+        raise _interrupted(signum or signal.SIGINT, run) from None
     except (ShardFailuresError, RunConflictError):
         raise
     except Exception as exc:
