@@ -41,33 +41,27 @@ def start_cli(log: Path, *args: str) -> subprocess.Popen:
     )
 
 
-def wait_for_line(proc: subprocess.Popen, log: Path, text: str, timeout: float = 240) -> None:
-    """Block until `text` appears in the console `log`; fail if the process ends first."""
+def poll_until(proc: subprocess.Popen, found, what: str, console, timeout: float, every: float):
+    """`found()`'s first truthy result, asked every `every` s; AssertionError with the end of
+    `console()` (the process's output) when the process ends or `timeout` passes first."""
     deadline = time.monotonic() + timeout
-    while text not in log.read_text(errors="replace"):
+    while not (result := found()):
         if proc.poll() is not None:
-            raise AssertionError(f"ended before {text!r}:\n{log.read_text()[-3000:]}")
+            raise AssertionError(f"ended before {what}:\n{console()}")
         if time.monotonic() > deadline:
             proc.kill()
-            raise AssertionError(f"no {text!r} in {timeout}s:\n{log.read_text()[-3000:]}")
-        time.sleep(0.1)
+            raise AssertionError(f"no {what} within {timeout}s:\n{console()}")
+        time.sleep(every)
+    return result
 
 
-def invoke_cli(*args: str) -> tuple[int, str]:
-    """The CLI in this process (typer's CliRunner): (exit status, stdout and stderr, without
-    colour codes). The console set-up the CLI does on the `pipeline` logger is undone after,
-    so the records of later tests reach pytest's capture as before."""
-    import logging
-    import re
+def wait_for_line(proc: subprocess.Popen, log: Path, text: str, timeout: float = 240) -> None:
+    """Block until `text` appears in the console `log`; fail if the process ends first."""
 
-    from typer.testing import CliRunner
+    def tail() -> str:
+        return log.read_text(errors="replace")[-3000:]
 
-    from pipeline.cli import app
+    def printed() -> bool:
+        return text in log.read_text(errors="replace")
 
-    logger = logging.getLogger("pipeline")
-    saved = (list(logger.handlers), logger.level, logger.propagate)
-    try:
-        result = CliRunner().invoke(app, list(args))
-    finally:
-        logger.handlers[:], logger.level, logger.propagate = saved
-    return result.exit_code, re.sub(r"\x1b\[[0-9;]*m", "", result.output)
+    poll_until(proc, printed, repr(text), tail, timeout, every=0.1)

@@ -31,6 +31,7 @@ import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from cli_job import poll_until
 from shared_run import PAIRS_PER_SHARD, SHARDS, write_job
 
 from pipeline.clients.read import read_labels
@@ -67,27 +68,13 @@ def _finish(proc: subprocess.Popen, output: Path, timeout: float = 600) -> None:
     assert proc.wait(timeout=timeout) == 0, _log(output)
 
 
-def _poll(proc: subprocess.Popen, output: Path, what: str, found, timeout: float, every: float):
-    """`found()`'s first truthy result, asked every `every` s; the test fails when the job ends
-    or `timeout` passes first (`what`: what it waits for)."""
-    deadline = time.monotonic() + timeout
-    while not (result := found()):
-        if proc.poll() is not None:
-            pytest.fail(f"the job ended before {what}:\n{_log(output)}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"no {what} within {timeout}s:\n{_log(output)}")
-        time.sleep(every)
-    return result
-
-
 def _wait_for(proc: subprocess.Popen, output: Path, pattern: str, timeout: float = 400) -> None:
     """Block until files matching every `|`-separated glob (under the run directory) exist."""
 
     def present() -> bool:
         return all(list(output.glob(p)) for p in pattern.split("|"))
 
-    _poll(proc, output, f"{pattern} appeared", present, timeout, every=0.05)
+    poll_until(proc, present, pattern, lambda: _log(output), timeout, every=0.05)
 
 
 def _labels(output: Path) -> pa.Table:
@@ -189,7 +176,7 @@ def _pause_running(proc: subprocess.Popen, output: Path, title: str, timeout: fl
                     worker.send_signal(signal.SIGCONT)
         return running
 
-    return _poll(proc, output, f"a {title} process ran", pause, timeout, every=0.02)
+    return poll_until(proc, pause, f"a {title} process", lambda: _log(output), timeout, every=0.02)
 
 
 def _wait_for_new_process(title: str, before: set[int], timeout: float = 60) -> None:

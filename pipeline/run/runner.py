@@ -110,9 +110,8 @@ def _run_held(job, layout: RunLayout, shard_paths, manifest, interrupts: Interru
             raise RunInterrupted(interrupts.signum)
     except _StopAfter as stop:
         logger.debug(f"stopped after {stop} (until=)")
-    except KeyboardInterrupt as exc:  # ours, or Ray's get raising its own for our signal
-        signum = exc.signum if isinstance(exc, RunInterrupted) else interrupts.signum
-        raise _interrupted(signum or signal.SIGINT, run) from None
+    except KeyboardInterrupt:  # ours, or Ray's get raising its own for our signal
+        raise _interrupted(interrupts.signum or signal.SIGINT, run) from None
     except (ShardFailuresError, RunConflictError):
         raise
     except Exception as exc:

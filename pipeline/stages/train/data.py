@@ -609,8 +609,8 @@ def round_batches(
 def cut_epoch_batches(blocks, size: int) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
     """(epoch, batch of `size` rows) from blocks of rows in order (each with an "epoch"
     column, epochs ascending): each epoch's rows cut in turn, its last partial batch dropped
-    (so no batch mixes two epochs)."""
-    held: list[dict[str, np.ndarray]] = []  # rows of `current` not yet in a batch
+    (so no batch mixes two epochs). Each batch is one copy of its rows."""
+    held: list[dict[str, np.ndarray]] = []  # pieces of `current`'s rows not yet in a batch
     count, current = 0, -1
     for block in blocks:
         epochs = np.asarray(block["epoch"])
@@ -623,11 +623,22 @@ def cut_epoch_batches(blocks, size: int) -> Iterator[tuple[int, dict[str, np.nda
             held.append({name: column[a:b] for name, column in block.items()})
             count += b - a
             while count >= size:
-                rows = {name: np.concatenate([h[name] for h in held]) for name in held[0]}
-                yield current, {name: column[:size] for name, column in rows.items()}
-                rest = {name: column[size:] for name, column in rows.items()}
+                yield current, _take_rows(held, size)
                 count -= size
-                held = [rest] if count else []
+
+
+def _take_rows(held: list[dict[str, np.ndarray]], size: int) -> dict[str, np.ndarray]:
+    """The first `size` rows of the pieces `held` (which has them), removed from it."""
+    parts, need = [], size
+    while need:
+        piece = held[0]
+        if len(piece["epoch"]) <= need:
+            parts.append(held.pop(0))
+        else:
+            parts.append({name: column[:need] for name, column in piece.items()})
+            held[0] = {name: column[need:] for name, column in piece.items()}
+        need -= len(parts[-1]["epoch"])
+    return {name: np.concatenate([part[name] for part in parts]) for name in parts[0]}
 
 
 def steps_per_epoch(spec: TrainSpec, world: int) -> int:
