@@ -65,3 +65,23 @@ def wait_for_line(proc: subprocess.Popen, log: Path, text: str, timeout: float =
         return text in log.read_text(errors="replace")
 
     poll_until(proc, printed, repr(text), tail, timeout, every=0.1)
+
+
+def invoke_cli(*args: str) -> tuple[int, str]:
+    """The CLI in this process (typer's CliRunner): (exit status, stdout and stderr, without
+    colour codes). The console set-up the CLI does on the `pipeline` logger is undone after,
+    so the records of later tests reach pytest's capture as before."""
+    import logging
+    import re
+
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    logger = logging.getLogger("pipeline")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    try:
+        result = CliRunner().invoke(app, list(args))
+    finally:
+        logger.handlers[:], logger.level, logger.propagate = saved
+    return result.exit_code, re.sub(r"\x1b\[[0-9;]*m", "", result.output)
