@@ -15,6 +15,7 @@ def _job(**train) -> JobConfig:
             "input": {"shards": "/data/{00000..00003}.tar"},
             "output": "/tmp/out",
             "model": {"name": "ncl-tiny"},
+            "embed": {"decode": "cpu"},  # as a run resolves auto
             "train": {"rounds": 1, **train},
         }
     )

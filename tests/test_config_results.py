@@ -50,12 +50,13 @@ def _full_job() -> JobConfig:
             "input": {"sources": [{"name": "web", "shards": "/IDENTITY/web-{0..1}.tar"}]},
             "model": {"name": "ViT-B-32", "pretrained": "openai", "cache_dir": "/cache"},
             "embed": {
+                "decode": "device",  # as a run on GPUs resolves auto
                 "from_embeddings": {
                     "path": "/IDENTITY/clip-retrieval",
                     "model": "ViT-B-32",
                     "pretrained": "openai",
                     "source": "web",
-                }
+                },
             },
             "labels": {"assign": {"mass": 0.5}},
             "train": {"filter_fraction": 0.5, "filter_scorer": "warmed", "torch_threads": 2},

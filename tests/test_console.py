@@ -114,7 +114,7 @@ def test_library_modules_log_through_module_loggers_and_never_print():
     ]
     for expected in (
         "run/runner.py",
-        "stages/embed.py",
+        "stages/embed/driver.py",
         "stages/labels/driver.py",
         "stages/train/loop.py",
         "stages/train/driver.py",

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from shard_fixtures import write_corrupt_shard
 
-from pipeline.config import load_job
+from pipeline.config import EmbedConfig, load_job
 from pipeline.data.synthetic import make_corpus
 from pipeline.io.shards import IMAGE_EXTENSIONS, RawRecord, iter_shard_records, shard_name
 from pipeline.run.runner import run_job
@@ -84,7 +84,7 @@ def test_embed_pass_writes_tables_that_reconcile(local_ray, corpus, tmp_path, ca
     shard_lines = {
         record.getMessage().split("]")[1].split(":")[0].strip(): record.levelno
         for record in caplog.records
-        if record.name == "pipeline.stages.embed" and record.getMessage().startswith("  [")
+        if record.name == "pipeline.stages.embed.driver" and record.getMessage().startswith("  [")
     }
     assert set(shard_lines) == {shard_name(p) for p in corpus["shards"]}
     assert shard_lines["00078"] == logging.WARNING and shard_lines["00000"] == logging.DEBUG
@@ -268,6 +268,7 @@ def test_a_pooled_worker_reloads_a_checkpoint_rewritten_in_place(tmp_path):
             round_index=0,
             views={"a": ModelSpec("ncl-tiny", str(checkpoint))},
             seed=0,
+            embed=EmbedConfig(decode="cpu"),  # as run_embed_pass resolves auto on CPU
             device="cpu",
         )
         rows = embed_shards_on_cpu({"path": np.array([summary.shards[0]])}, spec)

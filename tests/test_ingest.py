@@ -309,7 +309,7 @@ def test_under_sources_only_the_named_sources_shards_are_ingested(tmp_path):
         round_index=0,
         views={"a": model},
         seed=0,
-        embed=EmbedConfig(batch_size=8),
+        embed=EmbedConfig(batch_size=8, decode="cpu"),
         source=open_embeddings_folder(str(tmp_path / "emb")),
         source_name="cc3m",
     )

@@ -95,6 +95,12 @@ def test_unchanged_rerun_reuses_every_stage(first, corpus, tmp_path):
     assert metrics["labels"]["samples"] == PAIRS_PER_SHARD * SHARDS
     manifest = json.loads((out / "manifest.json").read_text())
     assert {manifest["stages"][s]["status"] for s in ALL} == {"done"}
+    # embed.decode auto is recorded and keyed as it ran (PIL on a Ray without GPUs), so the
+    # same job on GPU workers (device decode: other pixels) embeds again.
+    assert manifest["job"]["embed"]["decode"] == "cpu"
+    assert manifest["stages"]["round0/embed"]["config"]["embed.decode"] == "cpu"
+    on_gpus = predict_rerun(str(out), _job(corpus, out, ["embed.decode=device"])).decisions
+    assert "embed.decode changed" in on_gpus["round0/embed"].describe()
 
 
 def test_changed_learning_rate_retrains_and_republishes(first, corpus, tmp_path):

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from pipeline.config import JobConfig
 from pipeline.io.layout import RunLayout
 from pipeline.run.graph import stage_graph
+from pipeline.run.specs import with_decode_for
 from pipeline.run.state import (
     STAGE_KEY_META,
     RunState,
@@ -23,7 +25,8 @@ from pipeline.run.state import (
 )
 
 
-def _job(**sections) -> JobConfig:
+def _job(cluster_gpus: float | None = 0.0, **sections) -> JobConfig:
+    """A job as a run on a cluster with `cluster_gpus` keys it (None: embed.decode unresolved)."""
     base = {
         "name": "unit",
         "input": {"shards": "/data/{00000..00003}.tar"},
@@ -34,7 +37,8 @@ def _job(**sections) -> JobConfig:
     }
     for section, values in sections.items():
         base[section] = {**base.get(section, {}), **values} if isinstance(values, dict) else values
-    return JobConfig.model_validate(base)
+    job = JobConfig.model_validate(base)
+    return job if cluster_gpus is None else with_decode_for(job, cluster_gpus)
 
 
 def test_each_stage_hashes_exactly_the_keys_it_depends_on():
@@ -42,12 +46,17 @@ def test_each_stage_hashes_exactly_the_keys_it_depends_on():
     embed = stage_config(job, "embed")
     assert "embed.batch_size" in embed and "model.name" in embed and "seed" in embed
     assert "embed.loss_permutations" in embed  # the losses, hence every later stage, change
-    # embed.decode auto, resolved: the device decode's pixels differ from PIL's slightly, so
-    # a job moved between GPU and CPU workers embeds again.
-    assert embed["embed.decode"] == "device"  # the default: a GPU per embed worker
-    on_cpus = stage_config(_job(embed={"gpus_per_worker": 0}), "embed")
-    assert on_cpus["embed.decode"] == "cpu"
-    assert stage_config(_job(embed={"gpus_per_worker": 0, "decode": "cpu"}), "embed") == on_cpus
+    # embed.decode auto, keyed as resolved for the cluster: the device decode's pixels differ
+    # from PIL's slightly, so a job moved between GPU and CPU workers embeds again.
+    assert embed["embed.decode"] == "cpu"  # a cluster without GPUs
+    on_gpus = stage_config(_job(cluster_gpus=4), "embed")
+    assert on_gpus["embed.decode"] == "device"  # the default: a GPU per embed worker
+    assert stage_config(_job(cluster_gpus=4, embed={"decode": "device"}), "embed") == on_gpus
+    cpu_workers = _job(cluster_gpus=4, embed={"gpus_per_worker": 0})
+    assert stage_config(cpu_workers, "embed")["embed.decode"] == "cpu"
+    assert stage_config(_job(embed={"decode": "cpu"}), "embed") == embed
+    with pytest.raises(ValueError, match="resolved for the cluster"):
+        stage_config(_job(cluster_gpus=None), "embed")  # never keyed as "auto"
     # Resources, speed-only knobs and the shard list (decided per shard) are not part of it.
     assert not {"embed.concurrency", "embed.decode_threads", "input.shards"} & set(embed)
     assert "embed.forward_batch_size" not in embed  # rounding only (tests/test_embed_decode.py)

@@ -97,6 +97,7 @@ def _job(tmp_path: Path, input_yaml: str):
     path = tmp_path / "job.yaml"
     path.write_text(
         f"name: j\ninput: {input_yaml}\noutput: {tmp_path}/run\nmodel: {{name: ncl-tiny}}\n"
+        "embed: {decode: cpu}\n"
     )
     return load_job(path)
 

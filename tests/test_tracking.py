@@ -100,6 +100,7 @@ def test_report_to_is_no_part_of_any_stage_key():
         "input": {"shards": "/data/0.tar"},
         "output": "/tmp/out",
         "model": {"name": "ncl-tiny"},
+        "embed": {"decode": "cpu"},  # as a run resolves auto
     }
     plain = JobConfig.model_validate(base)
     tracked = JobConfig.model_validate({**base, "train": {"report_to": "tensorboard"}})

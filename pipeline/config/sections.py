@@ -189,7 +189,8 @@ class EmbedConfig(_Section):
         "auto",
         description="Where JPEGs are decoded and resized: cpu (PIL in the decode threads), "
         "device (torchvision, batched, on the worker's device: nvJPEG on a GPU); auto = device "
-        "on a GPU, cpu otherwise. Pixels differ by <= 2 uint8 levels (docs/benchmarks.md).",
+        "when the cluster gives each embed worker a GPU, else cpu (resolved when the run "
+        "starts, and recorded). Pixels differ by <= 2 uint8 levels (docs/benchmarks.md).",
     )
     forward_batch_size: int = Field(
         256,
@@ -215,14 +216,6 @@ class EmbedConfig(_Section):
         if isinstance(value, int) and value < 1:
             raise ValueError("must be >= 1 or 'auto'")
         return value
-
-    def decode_where(self) -> Literal["cpu", "device"]:
-        """Where `decode` decodes for this job: `auto` is the device when each embed worker
-        holds a GPU (Ray hides every GPU from a worker that asks for none), else the CPU. The
-        embed pass's key holds this, not "auto": the two decodes' pixels differ."""
-        if self.decode == "auto":
-            return "device" if self.gpus_per_worker > 0 else "cpu"
-        return self.decode
 
 
 class MixtureConfig(_Section):

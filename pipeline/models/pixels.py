@@ -2,11 +2,11 @@
 
 Contract (part of :mod:`pipeline.models`; `pipeline.stages.embed` wires it to the shards):
 
-* :func:`pixel_plan` turns ``embed.decode`` (``cpu`` | ``device`` | ``auto``) and a loaded
+* :func:`pixel_plan` turns ``embed.decode`` (``cpu`` | ``device``, resolved) and a loaded
   model into a :class:`PixelPlan`: ``cpu`` decodes with PIL in the decode threads and resizes
   and crops to uint8 there (:func:`image_pixels`); ``device`` leaves JPEGs undecoded for
   :func:`chunk_pixels`, which decodes a chunk of them batched on the model's device (nvJPEG on
-  a GPU) and resizes and crops there; ``auto`` is ``device`` on a GPU, ``cpu`` otherwise.
+  a GPU) and resizes and crops there (``auto`` is resolved per cluster by the embed stage).
   Either way a chunk is normalised at once on the device: on the CPU path bit-identical to
   open_clip's eval transform, on the device path within 2 uint8 levels (tests/test_pixels.py).
 * A model whose transform :func:`pixel_spec` does not describe keeps its own transform in the
@@ -42,18 +42,22 @@ class PixelPlan:
     """How one worker turns images into the model's pixels."""
 
     device: torch.device  # the model's: where pixels are normalised (and JPEGs decoded)
-    on_device: bool  # JPEGs decoded on `device` (embed.decode device, or auto on a GPU)
+    on_device: bool  # JPEGs decoded on `device` (embed.decode device)
     pixels: PixelSpec | None  # None: the model's own transform, in the threads
     preprocess: Callable  # that transform (open_clip's eval transform)
 
 
 def pixel_plan(decode: str, loaded: LoadedClip) -> PixelPlan:
-    """The plan for `embed.decode` ("cpu" | "device" | "auto") and a loaded model.
+    """The plan for `embed.decode` ("cpu" | "device", as `stages.embed.decode_on` resolved it
+    for the cluster) and a loaded model.
 
     Raises:
-        ValueError: "device" for a model whose transform is not resize + crop + normalise.
+        ValueError: "device" for a model whose transform is not resize + crop + normalise;
+            a decode other than "cpu" or "device".
     """
-    on_device = decode == "device" or (decode == "auto" and loaded.device.type == "cuda")
+    if decode not in ("cpu", "device"):
+        raise ValueError(f"embed.decode {decode!r} is not resolved to cpu or device")
+    on_device = decode == "device"
     try:
         spec = pixel_spec(loaded.preprocess)
     except ValueError as exc:

@@ -25,7 +25,12 @@ from pipeline.run.interrupts import Interrupts, catch_interrupts
 from pipeline.run.kinds import KINDS, job_requests, outputs_present
 from pipeline.run.lease import acquire_lease
 from pipeline.run.manifest import RunConflictError, check_resume
-from pipeline.run.specs import embeddings_source, model_specs, with_absolute_paths
+from pipeline.run.specs import (
+    embeddings_source,
+    model_specs,
+    with_absolute_paths,
+    with_decode_for,
+)
 from pipeline.run.state import round0_shard_keys
 
 __all__ = [
@@ -91,13 +96,14 @@ def _run_held(job, layout: RunLayout, shard_paths, manifest, interrupts: Interru
     """The run, once it holds the output's lease: Ray, preflight, the stages."""
     from pipeline.run.space import check_output_space, embedded_pairs, remaining_space_note
     from pipeline.runtime.preflight import check_cluster
-    from pipeline.runtime.ray import init_ray
+    from pipeline.runtime.ray import cluster_resources, init_ray
 
     logger.debug(f"input shards: {shard_paths}")
     run = None
     try:
         where = init_ray(job.ray.address, job.ray.num_cpus, job.ray.object_store_memory)
         interrupts.install()  # ray.init installs handlers of its own
+        job = with_decode_for(job, cluster_resources()[1])
         check_cluster(job, partial(job_requests, job))  # refuses what no node could host
         check_output_space(job, layout, shard_paths, manifest.get("stages") or {})
         logger.info(

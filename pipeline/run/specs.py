@@ -90,6 +90,15 @@ def with_absolute_paths(job: JobConfig) -> JobConfig:
     )
 
 
+def with_decode_for(job: JobConfig, cluster_gpus: float) -> JobConfig:
+    """`embed.decode: auto` resolved for a cluster with `cluster_gpus` (cpu or device), so
+    that the embed pass's key names the decode that runs."""
+    from pipeline.stages.embed import decode_on
+
+    embed = job.embed.model_copy(update={"decode": decode_on(job.embed, cluster_gpus)})
+    return job.model_copy(update={"embed": embed})
+
+
 def model_specs(job: JobConfig) -> dict[str, ModelSpec]:
     """The model views of round 0: view 'a' is the job's model seeded with the job's seed."""
     return {"a": round_models(job, {})["a"]}

@@ -133,12 +133,14 @@ def stage_config(job, kind: str) -> dict[str, Any]:
     sources = flat.pop("input.sources", None)
     if sources:
         flat["input.sources"] = [source["name"] for source in sources]
-    flat["embed.decode"] = job.embed.decode_where()  # a job moved to GPUs re-embeds
-    return {
+    config = {
         key: value
         for key, value in sorted(flat.items())
         if any(key == w or key.startswith(f"{w}.") for w in wanted) and key not in NOT_RESULTS
     }
+    if config.get("embed.decode") == "auto":  # the two decodes' pixels differ: key what runs
+        raise ValueError("embed.decode: auto must be resolved for the cluster first (decode_on)")
+    return config
 
 
 def shard_key(base: str, identity: str) -> str:

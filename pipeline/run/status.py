@@ -20,6 +20,7 @@ from pipeline.io.shards import expand_sources, shard_name
 from pipeline.run.graph import plan_stage, stage_graph
 from pipeline.run.lease import LeaseHolder, read_holder
 from pipeline.run.manifest import REBUILT, read_manifest
+from pipeline.run.specs import with_decode_for
 from pipeline.run.state import Decision, RunState, round0_shard_keys, table_keys
 
 __all__ = ["RunStatusError", "Prediction", "predict_rerun", "run_status"]
@@ -49,6 +50,7 @@ def predict_rerun(run_dir: str, job: JobConfig, manifest: dict | None = None) ->
     from pipeline.run.kinds import outputs_present
 
     manifest = manifest if manifest is not None else _manifest(run_dir)
+    job = _decode_as_recorded(job, manifest)
     layout = RunLayout(run_dir)
     graph = stage_graph(job)
     paths = {shard_name(p): p for p in expand_sources(job.input.shard_specs())}
@@ -75,6 +77,15 @@ def predict_rerun(run_dir: str, job: JobConfig, manifest: dict | None = None) ->
             state.recomputed.add(stage.name)
         decisions[stage.name] = planned.decision
     return Prediction(decisions, len(paths), retried)
+
+
+def _decode_as_recorded(job: JobConfig, manifest: dict) -> JobConfig:
+    """`embed.decode: auto` as the recorded run resolved it: status starts no Ray, so it
+    assumes the recorded run's cluster (without GPUs when the record does not say)."""
+    if job.embed.decode != "auto":
+        return job
+    recorded = ((manifest.get("job") or {}).get("embed") or {}).get("decode")
+    return with_decode_for(job, 1.0 if recorded == "device" else 0.0)
 
 
 def _state(record: dict | None, decision: Decision, running: bool = False) -> str:
