@@ -8,6 +8,7 @@ within PIXEL_LEVELS uint8 levels of the CPU path at every pixel, PIXEL_MEAN_LEVE
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import numpy as np
@@ -102,6 +103,46 @@ def test_non_square_transforms_are_refused_with_the_fix():
     odd = T.Compose([T.Resize((64, 32)), T.ToTensor(), T.Normalize((0.5,) * 3, (0.5,) * 3)])
     with pytest.raises(ValueError, match="embed.decode: cpu"):
         pixel_spec(odd)
+
+
+def test_a_squash_transform_keeps_its_own_pixels_and_refuses_an_explicit_device_decode():
+    """SigLIP's and DFN's tags resize to a square without a crop: `auto` resolved to the device
+    decode falls back to the model's transform in the threads; an explicit device decode is
+    refused before the run, naming the model."""
+    from pipeline.config import JobConfig, JobConfigError
+    from pipeline.models import load_clip
+    from pipeline.models.loading import load_image_transform
+    from pipeline.models.pixels import pixel_plan
+    from pipeline.run.specs import check_decode
+
+    squash = load_image_transform(ModelSpec("ViT-B-16-SigLIP", "webli"))
+    loaded = load_clip(ModelSpec("ncl-tiny", None, seed=0), "cpu")
+    loaded = dataclasses.replace(loaded, preprocess=squash)
+    plan = pixel_plan("device", loaded)
+    assert (plan.on_device, plan.pixels, plan.preprocess) == (False, None, squash)
+    assert pixel_plan("device", load_clip(ModelSpec("ncl-tiny", None), "cpu")).on_device
+
+    def job(decode: str) -> JobConfig:
+        model = {"name": "ViT-B-16-SigLIP", "pretrained": "webli"}
+        embed = {"decode": decode}
+        return JobConfig.model_validate(
+            {
+                "name": "j",
+                "input": {"shards": "/d/0.tar"},
+                "output": "/o",
+                "model": model,
+                "embed": embed,
+            }
+        )
+
+    check_decode(job("auto"))
+    check_decode(job("cpu"))
+    with pytest.raises(
+        JobConfigError,
+        match=r"device is not possible for ViT-B-16-SigLIP: .*"
+        r"Resize\(size=\(224, 224\)",
+    ):
+        check_decode(job("device"))
 
 
 @pytest.mark.gpu

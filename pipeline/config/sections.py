@@ -190,7 +190,8 @@ class EmbedConfig(_Section):
         description="Where JPEGs are decoded and resized: cpu (PIL in the decode threads), "
         "device (torchvision, batched, on the worker's device: nvJPEG on a GPU); auto = device "
         "when the cluster gives each embed worker a GPU, else cpu (resolved when the run "
-        "starts, and recorded). Pixels differ by <= 2 uint8 levels (docs/benchmarks.md).",
+        "starts, and recorded). Pixels differ by <= 2 uint8 levels (docs/benchmarks.md). A "
+        "model whose transform squashes (SigLIP, DFN) keeps it on CPU: device is refused.",
     )
     forward_batch_size: int = Field(
         256,

@@ -221,9 +221,10 @@ def pixel_spec(preprocess: Callable) -> PixelSpec:
         or resize.interpolation != InterpolationMode.BICUBIC
         or tuple(crop.size) != (size, size)
     ):
+        shown = ", ".join(repr(step) for step in steps) if steps else repr(preprocess)
         raise ValueError(
             f"the model's image transform is not resize-shortest-side + square centre crop + "
-            f"normalise ({preprocess}); use embed.decode: cpu for this model"
+            f"normalise ({shown}); use embed.decode: cpu for this model"
         )
     return PixelSpec(size=size, mean=tuple(norm.mean), std=tuple(norm.std))
 

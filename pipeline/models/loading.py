@@ -237,11 +237,18 @@ def load_transforms(spec: ModelSpec) -> tuple[Callable[[Any], torch.Tensor], Cal
     the model config's `preprocess_cfg`, then the pretrained tag's mean/std/interpolation,
     with the tower's image size. `tests/test_models.py` checks both give identical tensors.
     """
-    from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preprocess_dict
-
     schema, _ = split_schema(spec.name)
     if schema:  # hub / local-dir models: only open_clip knows their transform
         return load_clip(spec, "cpu").preprocess, _tokenizer(spec.name, cache_dir_of(spec))
+    return load_image_transform(spec), _tokenizer(arch_name(spec.name), cache_dir_of(spec))
+
+
+def load_image_transform(spec: ModelSpec) -> Callable[[Any], torch.Tensor]:
+    """`load_transforms`'s image transform alone (no tokenizer: some need `transformers`)."""
+    from open_clip.transform import PreprocessCfg, image_transform_v2, merge_preprocess_dict
+
+    if split_schema(spec.name)[0]:
+        return load_clip(spec, "cpu").preprocess
     arch = arch_name(spec.name)
     config = open_clip.get_model_config(arch)
     if config is None:
@@ -253,5 +260,4 @@ def load_transforms(spec: ModelSpec) -> tuple[Callable[[Any], torch.Tensor], Cal
         tag_cfg = _oc_pretrained.get_pretrained_cfg(arch, spec.pretrained)
         preprocess_cfg = merge_preprocess_dict(preprocess_cfg, tag_cfg)
     preprocess_cfg["size"] = config["vision_cfg"].get("image_size", preprocess_cfg["size"])
-    transform = image_transform_v2(PreprocessCfg(**preprocess_cfg), is_train=False)
-    return transform, _tokenizer(arch, cache_dir_of(spec))
+    return image_transform_v2(PreprocessCfg(**preprocess_cfg), is_train=False)

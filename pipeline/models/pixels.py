@@ -51,22 +51,20 @@ def pixel_plan(decode: str, loaded: LoadedClip) -> PixelPlan:
     """The plan for `embed.decode` ("cpu" | "device", as `stages.embed.decode_on` resolved it
     for the cluster) and a loaded model.
 
+    A model whose transform is not resize + crop + normalise (SigLIP's and DFN's squash)
+    keeps that transform in the threads: "device" then came from `auto`, since the run refuses
+    an explicit `embed.decode: device` for such a model before it starts (`run.specs`).
+
     Raises:
-        ValueError: "device" for a model whose transform is not resize + crop + normalise;
-            a decode other than "cpu" or "device".
+        ValueError: a decode other than "cpu" or "device".
     """
     if decode not in ("cpu", "device"):
         raise ValueError(f"embed.decode {decode!r} is not resolved to cpu or device")
-    on_device = decode == "device"
     try:
         spec = pixel_spec(loaded.preprocess)
-    except ValueError as exc:
-        if decode == "device":
-            raise ValueError(
-                f"embed.decode: device is not possible for {loaded.model_id}: {exc}"
-            ) from exc
-        spec, on_device = None, False
-    return PixelPlan(loaded.device, on_device, spec, loaded.preprocess)
+    except ValueError:
+        return PixelPlan(loaded.device, False, None, loaded.preprocess)
+    return PixelPlan(loaded.device, decode == "device", spec, loaded.preprocess)
 
 
 def image_pixels(image, plan: PixelPlan):

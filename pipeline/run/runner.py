@@ -26,6 +26,7 @@ from pipeline.run.kinds import KINDS, job_requests, outputs_present
 from pipeline.run.lease import acquire_lease
 from pipeline.run.manifest import RunConflictError, check_resume
 from pipeline.run.specs import (
+    check_decode,
     embeddings_source,
     model_specs,
     with_absolute_paths,
@@ -80,6 +81,7 @@ def run_job(job: JobConfig, until: str | None = None) -> dict:
     for spec in model_specs(job).values():
         check_weights_available(spec)
         fetch_weights(spec)  # once, here: the workers then find the weights cached
+    check_decode(job)
     embeddings_source(job)  # a folder that cannot be ingested fails here, before Ray
     from pipeline.runtime.tracking import job_tracking
 

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 
-from pipeline.config import JobConfig
+from pipeline.config import JobConfig, JobConfigError
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import DecodeOptions, expand_shard_patterns, shard_name
 from pipeline.io.tables import read_json
@@ -97,6 +97,27 @@ def with_decode_for(job: JobConfig, cluster_gpus: float) -> JobConfig:
 
     embed = job.embed.model_copy(update={"decode": decode_on(job.embed, cluster_gpus)})
     return job.model_copy(update={"embed": embed})
+
+
+def check_decode(job: JobConfig) -> None:
+    """Refuse an explicit `embed.decode: device` for a model whose image transform the device
+    decode cannot reproduce (`auto` falls back to the model's own transform instead).
+
+    Raises:
+        JobConfigError: naming the model and its transform.
+    """
+    from pipeline.models.encode import pixel_spec
+    from pipeline.models.loading import load_image_transform
+
+    if job.embed.decode != "device":
+        return
+    for spec in model_specs(job).values():
+        try:
+            pixel_spec(load_image_transform(spec))
+        except ValueError as exc:
+            raise JobConfigError(
+                f"embed.decode: device is not possible for {spec.name}: {exc}, or auto"
+            ) from None
 
 
 def model_specs(job: JobConfig) -> dict[str, ModelSpec]:
