@@ -298,3 +298,24 @@ def test_run_refuses_in_seconds_what_the_local_ray_cannot_host(
     # Refused by the preflight, before any stage ran (not by a stage that timed out).
     assert any("preflight" in str(entry.path) for entry in refused.traceback)
     assert not (tmp_path / "run" / "rounds").exists()
+
+
+def test_cpu_embed_workers_take_one_cpu_each_unless_told_otherwise():
+    """Without GPUs the pass runs one worker per `embed.cpus_per_worker` CPUs (default 1), each
+    with as many torch threads and at most as many decode threads (docs/benchmarks.md: two
+    1-CPU workers embed 1.4-1.6x the pairs/s of one 2-CPU worker on 2 cores)."""
+    from dataclasses import replace
+
+    from pipeline.config import EmbedConfig
+    from pipeline.stages.embed import EmbedSpec
+    from pipeline.stages.embed.driver import pool_size
+    from pipeline.stages.embed.shard import cpu_threads
+
+    spec = EmbedSpec(output="/o", round_index=0, views={}, seed=0)
+    assert pool_size(spec, 10, cpus=2, gpus=0) == (2, {"num_cpus": 1.0})
+    assert pool_size(spec, 1, cpus=2, gpus=0)[0] == 1  # never more workers than shards
+    wide = replace(spec, embed=EmbedConfig(cpus_per_worker=2))
+    assert pool_size(wide, 10, cpus=8, gpus=0)[0] == 4
+    assert pool_size(spec, 10, cpus=16, gpus=4)[0] == 4  # a GPU each
+    assert cpu_threads(EmbedConfig()) == (1, 1)  # decode_threads' default 4, capped
+    assert cpu_threads(EmbedConfig(cpus_per_worker=4, decode_threads=2)) == (4, 2)

@@ -182,7 +182,8 @@ class EmbedConfig(_Section):
     decode_threads: int = Field(
         4,
         ge=1,
-        description="Threads per embed worker decoding images while the model runs.",
+        description="Threads per embed worker decoding images while the model runs; on a "
+        "CPU worker at most one per CPU it holds (the model's threads share them).",
         json_schema_extra=RESOURCES_ONLY,
     )
     decode: Literal["cpu", "device", "auto"] = Field(
@@ -202,7 +203,8 @@ class EmbedConfig(_Section):
     )
     concurrency: int | Literal["auto"] = Field(
         "auto",
-        description="Embed workers at a time; auto = number of GPUs, or 1 per 2 CPUs without GPUs.",
+        description="Embed workers at a time; auto = number of GPUs, or without GPUs one per "
+        "embed.cpus_per_worker CPUs (one per CPU by default: faster than fewer, wider ones).",
         json_schema_extra=RESOURCES_ONLY,
     )
     from_embeddings: FromEmbeddingsConfig | None = Field(

@@ -96,7 +96,7 @@ def ray_requests(job: JobConfig, cluster_gpus: float) -> list[Request]:
     return [Request("embed worker", keys, unit, fix=f"lower {keys}, or {more_cpus(job)}")]
 
 
-def _pool_size(spec: EmbedSpec, pending: int, cpus: float, gpus: float) -> tuple[int, dict]:
+def pool_size(spec: EmbedSpec, pending: int, cpus: float, gpus: float) -> tuple[int, dict]:
     """(actors, `worker_options`) for `pending` shards on a cluster of `cpus` and `gpus`."""
     options = worker_options(spec.embed, gpus)
     size: float = 0.0
@@ -105,7 +105,7 @@ def _pool_size(spec: EmbedSpec, pending: int, cpus: float, gpus: float) -> tuple
     elif "num_gpus" in options:
         size = gpus // options["num_gpus"]
     else:
-        size = max(1, cpus // max(spec.embed.cpus_per_worker, 2))
+        size = max(1, int(cpus // spec.embed.cpus_per_worker))  # one per CPU by default
     return max(1, min(int(size), pending)), options
 
 
@@ -119,7 +119,7 @@ def _embed_pending(spec: EmbedSpec, pending: list[str], tally: _PassTally, start
     cpus, gpus = cluster_resources()
     decode = decode_on(spec.embed, gpus)
     spec = replace(spec, embed=spec.embed.model_copy(update={"decode": decode}))
-    size, options = _pool_size(spec, len(pending), cpus, gpus)
+    size, options = pool_size(spec, len(pending), cpus, gpus)
     use_gpus = "num_gpus" in options
     workers = "actor(s)" if use_gpus else "task(s) at a time"
     logger.info(

@@ -178,7 +178,15 @@ def _views_key(spec: EmbedSpec) -> tuple:
     views = tuple(
         (view, model, weights_version(model.pretrained)) for view, model in spec.views.items()
     )
-    return views, spec.device, spec.embed.decode_threads
+    return views, spec.device, cpu_threads(spec.embed)
+
+
+def cpu_threads(embed: EmbedConfig) -> tuple[int, int]:
+    """(torch threads, decode threads) of a CPU worker: one per CPU it holds, the decode's
+    capped there too, since every other core runs another worker (a 2-thread forward beside
+    2 decode threads made 0.6-0.7x the pairs/s of two 1-CPU workers: docs/benchmarks.md)."""
+    cpus = max(1, int(embed.cpus_per_worker))
+    return cpus, min(embed.decode_threads, cpus)
 
 
 def embed_shards_on_cpu(batch: dict[str, np.ndarray], spec: EmbedSpec) -> dict[str, np.ndarray]:
@@ -196,12 +204,12 @@ def embed_shards_on_cpu(batch: dict[str, np.ndarray], spec: EmbedSpec) -> dict[s
         _process_views.clear()  # one pass's models at a time: a worker's memory stays bounded
         _process_views[key] = (
             _load_views(spec),
-            ThreadPoolExecutor(max_workers=spec.embed.decode_threads),
+            ThreadPoolExecutor(max_workers=cpu_threads(spec.embed)[1]),
         )
     models, pool = _process_views[key]
-    # What an actor of these CPUs gets from Ray's OMP_NUM_THREADS, set here because a pooled
-    # worker's torch keeps the thread count of whichever task used it first.
-    torch.set_num_threads(max(1, int(spec.embed.cpus_per_worker)))
+    # Set for every task: a pooled worker's torch keeps the thread count of whichever task
+    # used it first.
+    torch.set_num_threads(cpu_threads(spec.embed)[0])
     return _embed_paths(batch["path"], spec, models, pool)
 
 
