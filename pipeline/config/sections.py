@@ -176,7 +176,8 @@ class EmbedConfig(_Section):
     cpus_per_worker: float = Field(
         1.0,
         gt=0,
-        description="CPUs reserved per embed worker (decode threads share them).",
+        description="CPUs reserved per embed worker (decode threads share them). Without GPUs "
+        "each worker loads the models: raise it to bound memory on a node of many cores.",
         json_schema_extra=RESOURCES_ONLY,
     )
     decode_threads: int = Field(
