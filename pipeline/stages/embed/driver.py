@@ -105,7 +105,7 @@ def pool_size(spec: EmbedSpec, pending: int, cpus: float, gpus: float) -> tuple[
     elif "num_gpus" in options:
         size = gpus // options["num_gpus"]
     else:
-        size = max(1, int(cpus // spec.embed.cpus_per_worker))  # one per CPU by default
+        size = cpus // spec.embed.cpus_per_worker  # one per CPU by default
     return max(1, min(int(size), pending)), options
 
 
@@ -117,7 +117,7 @@ def _embed_pending(spec: EmbedSpec, pending: list[str], tally: _PassTally, start
     from pipeline.runtime.ray import cluster_resources
 
     cpus, gpus = cluster_resources()
-    decode = decode_on(spec.embed, gpus)
+    decode = decode_on(spec.embed, gpus)  # a run's job has it resolved; a direct caller's not
     spec = replace(spec, embed=spec.embed.model_copy(update={"decode": decode}))
     size, options = pool_size(spec, len(pending), cpus, gpus)
     use_gpus = "num_gpus" in options

@@ -183,8 +183,7 @@ def _views_key(spec: EmbedSpec) -> tuple:
 
 def cpu_threads(embed: EmbedConfig) -> tuple[int, int]:
     """(torch threads, decode threads) of a CPU worker: one per CPU it holds, the decode's
-    capped there too, since every other core runs another worker (a 2-thread forward beside
-    2 decode threads made 0.6-0.7x the pairs/s of two 1-CPU workers: docs/benchmarks.md)."""
+    capped there too, since every other core runs another worker (docs/benchmarks.md, Embed)."""
     cpus = max(1, int(embed.cpus_per_worker))
     return cpus, min(embed.decode_threads, cpus)
 
@@ -198,18 +197,19 @@ def embed_shards_on_cpu(batch: dict[str, np.ndarray], spec: EmbedSpec) -> dict[s
     a small pass; docs/development.md). A GPU pass keeps its actors, which pin one device each.
     """
     key = _views_key(spec)
+    torch_threads, decode_threads = cpu_threads(spec.embed)
     if key not in _process_views:
         for _, old_pool in _process_views.values():
             old_pool.shutdown()
         _process_views.clear()  # one pass's models at a time: a worker's memory stays bounded
         _process_views[key] = (
             _load_views(spec),
-            ThreadPoolExecutor(max_workers=cpu_threads(spec.embed)[1]),
+            ThreadPoolExecutor(max_workers=decode_threads),
         )
     models, pool = _process_views[key]
     # Set for every task: a pooled worker's torch keeps the thread count of whichever task
     # used it first.
-    torch.set_num_threads(cpu_threads(spec.embed)[0])
+    torch.set_num_threads(torch_threads)
     return _embed_paths(batch["path"], spec, models, pool)
 
 
