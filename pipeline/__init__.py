@@ -43,8 +43,11 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_PUBLIC))
 
 
-def run_job(job: JobConfig) -> dict:
+def run_job(job: JobConfig, until: str | None = None) -> dict:
     """Run `job` (see pipeline.run.runner.run_job); imported lazily: `import pipeline` stays light.
+
+    `until` names a stage of the job's graph (e.g. "round0/keys", as `ncl-pipeline run
+    --until`): the run stops once that stage is done.
 
     Progress goes to the `pipeline` logger. When nothing has configured logging yet, the
     terminal shows it as the CLI does (`pipeline.runtime.console.ensure_console`); an application
@@ -54,7 +57,7 @@ def run_job(job: JobConfig) -> dict:
     from pipeline.runtime.console import ensure_console
 
     ensure_console()
-    return _run_job(job)
+    return _run_job(job, until=until)
 
 
 __all__ = [

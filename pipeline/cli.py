@@ -97,6 +97,12 @@ def run(
     job_file: Path = typer.Argument(..., help="Job YAML, e.g. jobs/demo.yaml."),
     overrides: list[str] = typer.Option(None, "--set", help=SET_HELP),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Also show debug messages."),
+    until: str = typer.Option(
+        None,
+        "--until",
+        help="Stop once this stage is done (e.g. round0/embed, round1/train; "
+        "`ncl-pipeline status` lists the stages).",
+    ),
 ) -> None:
     """Run the pipeline for a job (local Ray by default, or ray.address / RAY_ADDRESS)."""
     from pipeline.config import load_job
@@ -106,7 +112,7 @@ def run(
     if verbose:
         setup_console(verbose=True)
     job = _guard(load_job, job_file, overrides)
-    _guard(run_job, job)
+    _guard(run_job, job, until=until)
 
 
 @app.command()

@@ -115,3 +115,34 @@ def pytest_runtest_setup(item):
         state = _gpu_state()
         if state not in (None, "absent"):
             pytest.fail(f"this machine has an NVIDIA GPU but CUDA is unusable: {state}")
+
+
+@pytest.fixture()
+def hub_endpoint(monkeypatch):
+    """Call with True or False: HF_HUB_OFFLINE is then unset, as users have it, and the hub's
+    endpoint (HF_ENDPOINT) is on loopback, a port that accepts connections (True) or a closed
+    one (False). Returns the endpoint URL."""
+    import socket
+
+    from huggingface_hub import constants
+
+    sockets: list[socket.socket] = []
+
+    def endpoint(reachable: bool) -> str:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # frozen when first imported
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        if reachable:
+            listener.listen(8)
+            sockets.append(listener)
+        else:
+            listener.close()  # nothing listens there: the connection is refused
+        url = f"http://127.0.0.1:{port}"
+        monkeypatch.setenv("HF_ENDPOINT", url)
+        return url
+
+    yield endpoint
+    for listener in sockets:
+        listener.close()

@@ -122,11 +122,10 @@ def test_validate_says_a_local_checkpoint_is_cached(tmp_path, shards):
     assert "is available" not in shown
 
 
-def test_validate_says_a_tag_not_in_the_cache_dir_will_be_downloaded(tmp_path, shards, monkeypatch):
-    from huggingface_hub import constants
-
-    monkeypatch.delenv("HF_HUB_OFFLINE")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # frozen when first imported
+def test_validate_says_a_tag_not_in_the_cache_dir_will_be_downloaded(
+    tmp_path, shards, hub_endpoint
+):
+    hub_endpoint(True)
     cache = tmp_path / "weights"
     model = f"model: {{name: ViT-B-32, pretrained: laion2b_s34b_b79k, cache_dir: {cache}}}"
     code, shown = _validate(tmp_path, shards, model)
@@ -134,3 +133,39 @@ def test_validate_says_a_tag_not_in_the_cache_dir_will_be_downloaded(tmp_path, s
     line = next(x for x in shown.splitlines() if x.startswith("ok: model"))
     assert line.startswith("ok: model ViT-B-32: weights will be downloaded at run time (hf-hub ")
     assert line.endswith(f" into {cache})") and not cache.exists()
+
+
+@pytest.mark.parametrize("command", ["validate", "run"])
+def test_weights_neither_cached_nor_reachable_stop_in_seconds(
+    tmp_path, shards, hub_endpoint, command
+):
+    """With HF_HUB_OFFLINE unset and the hub unreachable, validate and run each say so in one
+    sentence (the repo, the cache, how to pre-fetch) and exit 2 within seconds, before Ray."""
+    import time
+
+    import ray
+
+    endpoint = hub_endpoint(False)
+    cache = tmp_path / "weights"
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f'name: t\ninput: {{shards: "{shards}"}}\noutput: {tmp_path}/run\n'
+        f"model: {{name: ViT-B-32, pretrained: laion2b_s34b_b79k, cache_dir: {cache}}}\n"
+    )
+    started = time.monotonic()
+    code, shown = invoke_cli(command, str(job))
+    assert time.monotonic() - started < 10, shown
+    assert code == 2, shown
+    error = next(line for line in shown.splitlines() if "cannot be reached" in line)
+    assert "laion/CLIP-ViT-B-32-laion2B-s34B-b79K" in error and str(cache) in error
+    assert endpoint in error and "pre-fetch" in error and "model.pretrained" in error
+    assert "Traceback" not in shown and not ray.is_initialized()
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_folder_as_input_shards_names_its_tars_and_the_pattern(tmp_path, shards):
+    folder = shards.rsplit("/", 1)[0]
+    code, shown = _validate(tmp_path, folder, "model: {name: ncl-tiny}")
+    assert code == 2, shown
+    assert "is a folder, not a shard: it holds 2 tars (00000.tar, 00001.tar)" in shown
+    assert f"'{folder}/{{00000..00001}}.tar'" in shown

@@ -344,10 +344,9 @@ def _hub_repo(cache: Path, repo_id: str, files: dict[str, bytes]) -> Path:
     return snapshot
 
 
-def test_model_cache_dir_is_where_a_tag_is_looked_up(tmp_path, monkeypatch):
+def test_model_cache_dir_is_where_a_tag_is_looked_up(tmp_path, hub_endpoint):
     """A tag's weights in `model.cache_dir` are found there (cached); the same tag with an
     empty cache dir is to be downloaded online, and refused offline. Nothing is downloaded."""
-    from huggingface_hub import constants
 
     repo = "laion/CLIP-ViT-B-32-laion2B-s34B-b79K"
     weights = _hub_repo(tmp_path / "cache", repo, {"open_clip_model.safetensors": b"w"})
@@ -360,8 +359,7 @@ def test_model_cache_dir_is_where_a_tag_is_looked_up(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="cannot be downloaded here") as offline:
         check_weights_available(empty)
     assert str(tmp_path / "empty") in str(offline.value)
-    monkeypatch.delenv("HF_HUB_OFFLINE")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # frozen when first imported
+    hub_endpoint(True)
     online = check_weights_available(empty)
     assert online.state == "download"
     assert online.describe() == (

@@ -203,9 +203,34 @@ def _match_pattern(pattern: str) -> _Matches:
                 matches.found[pos].append((candidates[pos], (str(fs.protocol), stripped)))
             elif braced:
                 matches.missing_braced.append(candidates[pos])
+            elif fs.isdir(stripped):
+                raise ShardPatternError(_folder_message(fs, stripped, candidates[pos]))
             else:
                 matches.missing_listed.append(candidates[pos])
     return matches
+
+
+def _folder_message(fs: Any, stripped: str, given: str) -> str:
+    """The sentence for a folder given where shards are expected: its tars, and the pattern."""
+    tars = sorted(
+        os.path.basename(e["name"])
+        for e in fs.ls(stripped, detail=True)
+        if e.get("type") == "file" and e["name"].endswith(".tar")
+    )
+    folder = given.rstrip("/")
+    if not tars:
+        return f"shard path {given!r} is a folder with no .tar files in it; point it at the tars"
+    stems = [name[: -len(".tar")] for name in tars]
+    numbered = all(stem.isdigit() and len(stem) == len(stems[0]) for stem in stems)
+    pattern = (
+        f"{folder}/{{{stems[0]}..{stems[-1]}}}.tar" if numbered and len(stems) > 1
+        else f"{folder}/*.tar"
+    )
+    shown = ", ".join(tars[:3]) + (f", ... {tars[-1]}" if len(tars) > 3 else "")
+    return (
+        f"shard path {given!r} is a folder, not a shard: it holds {len(tars)} tars "
+        f"({shown}); write the pattern {pattern!r}"
+    )
 
 
 def _check_complete(patterns: list[str], results: list[str], missing_listed: list[str]) -> None:

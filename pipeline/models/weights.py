@@ -2,8 +2,9 @@
 
 Contract (part of :mod:`pipeline.models.clip`):
 
-* :func:`check_weights_available` is a cheap driver-side preflight (no model build, no network,
-  well under a second) that turns every foreseeable loading failure into a
+* :func:`check_weights_available` is a cheap driver-side preflight (no model build; no network
+  but, for weights still to download, one TCP connect to their host within
+  ``PROBE_SECONDS``) that turns every foreseeable loading failure into a
   :class:`ModelLoadError` whose message names the model, the tag or path, and the fix, and
   says whether the weights are here (a local checkpoint, or in the download cache:
   ``spec.cache_dir`` or open_clip's and Hugging Face's defaults) or will be downloaded.
@@ -20,6 +21,8 @@ import hashlib
 import os
 import pickle
 import re
+import socket
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +56,9 @@ __all__ = [
 # Prefixes that wrappers add to parameter names: DistributedDataParallel and torch.compile.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _TRUTHY = {"1", "on", "yes", "true"}  # the values huggingface_hub treats as "set"
+# How long the reachability probe of a download source may take, name lookup included: a
+# closed network otherwise costs ~50 s of hub retries and a traceback inside the run.
+PROBE_SECONDS = 3.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,6 +185,58 @@ def _cached_tag_file(
     return None, "no download source"
 
 
+def _hub_endpoint() -> str:
+    """Hugging Face's endpoint as huggingface_hub will use it (HF_ENDPOINT, read now)."""
+    endpoint = os.environ.get("HF_ENDPOINT")
+    if not endpoint:
+        try:
+            from huggingface_hub import constants as hf_constants
+
+            endpoint = hf_constants.ENDPOINT
+        except ImportError:
+            endpoint = "https://huggingface.co"
+    return endpoint
+
+
+def _reachable(url: str, seconds: float = PROBE_SECONDS) -> bool:
+    """Whether a TCP connection to `url`'s host and port opens within `seconds` (the name
+    lookup, which a socket timeout does not bound, runs on a thread given the same budget)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (80 if parts.scheme == "http" else 443)
+    opened: list[bool] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=seconds).close()
+            opened.append(True)
+        except OSError:
+            pass
+
+    probe = threading.Thread(target=connect, daemon=True, name="weights-probe")
+    probe.start()
+    probe.join(seconds)
+    return bool(opened)
+
+
+def _download_status(
+    spec: ModelSpec, source: str, url: str, cache: str, fetch: str
+) -> WeightsStatus:
+    """"download" when `url`'s host answers; else a ModelLoadError in one sentence (the
+    weights are neither in `cache` nor reachable, and how to get them here)."""
+    if _reachable(url):
+        return WeightsStatus("download", f"{source} into {cache}")
+    raise ModelLoadError(
+        f"Model {spec.name!r}: the weights ({source}) are not in the cache ({cache}) and "
+        f"{url} cannot be reached from here (no connection within {PROBE_SECONDS:.0f} s); "
+        f"pre-fetch them on a machine with network access (`{fetch}`) and copy that cache "
+        "here (or point model.cache_dir at the copy), or set model.pretrained to a local "
+        "checkpoint file."
+    )
+
+
 def _check_local_dir(spec: ModelSpec, directory: str) -> WeightsStatus:
     config = Path(directory) / "open_clip_config.json"
     if not config.is_file():
@@ -207,7 +265,8 @@ def _check_hf_hub_name(spec: ModelSpec, repo_id: str) -> WeightsStatus:
             "to the copy), or use a built-in model.name with a local checkpoint path in "
             "model.pretrained."
         )
-    return WeightsStatus("download", f"hf-hub {repo_id} into {cache}")
+    fetch = f"huggingface-cli download {repo_id} --cache-dir {cache}"
+    return _download_status(spec, f"hf-hub {repo_id}", _hub_endpoint(), cache, fetch)
 
 
 def _check_own_weights(spec: ModelSpec, schema: str, ident: str) -> WeightsStatus:
@@ -237,7 +296,12 @@ def _check_tag(spec: ModelSpec, arch: str, tag: str) -> WeightsStatus:
             "not in the local cache and cannot be downloaded here (HF_HUB_OFFLINE is set). "
             + _FIX_OFFLINE.format(name=arch, tag=tag, cache=cache)
         )
-    return WeightsStatus("download", f"{source} into {cache}")
+    url = _hub_endpoint() if hub else str(cfg.get("url") or "")
+    fetch = (
+        f"python -c \"import open_clip; open_clip.create_model('{arch}', pretrained='{tag}', "
+        f"cache_dir='{cache}')\""
+    )
+    return _download_status(spec, source, url, cache, fetch)
 
 
 def _check_pretrained(spec: ModelSpec, arch: str, tag_or_path: str) -> WeightsStatus:
@@ -283,14 +347,15 @@ def check_weights_available(spec: ModelSpec) -> WeightsStatus:
     """Checks, without building the model, that ``spec`` can be loaded here.
 
     Runs on the driver before any Ray work starts, so config mistakes fail in milliseconds
-    instead of inside a GPU actor. Touches only the filesystem: no model build, no network,
-    no DNS (typically a few milliseconds even for a missing tag with ``HF_HUB_OFFLINE=1``).
+    instead of inside a GPU actor. Touches only the filesystem (typically a few milliseconds
+    even for a missing tag with ``HF_HUB_OFFLINE=1``), but for the one probe above.
 
     Checks, in order: known precision; known architecture (with close-name suggestions);
     ``pretrained`` is ``None``, a known tag for this architecture, or an existing file; and,
     when Hugging Face access is offline, that a tag's weights are already in the local cache
-    (``spec.cache_dir``, else the default caches). Online, a tag that is not cached passes:
-    :func:`load_clip` will download it.
+    (``spec.cache_dir``, else the default caches). Online, a tag that is not cached passes
+    when its host (the hub's endpoint, ``HF_ENDPOINT``, or the tag's URL) accepts a
+    connection within ``PROBE_SECONDS``: :func:`fetch_weights` will download it.
 
     Args:
         spec: The model to check.
