@@ -223,7 +223,8 @@ def _folder_message(fs: Any, stripped: str, given: str) -> str:
     stems = [name[: -len(".tar")] for name in tars]
     numbered = all(stem.isdigit() and len(stem) == len(stems[0]) for stem in stems)
     pattern = (
-        f"{folder}/{{{stems[0]}..{stems[-1]}}}.tar" if numbered and len(stems) > 1
+        f"{folder}/{{{stems[0]}..{stems[-1]}}}.tar"
+        if numbered and len(stems) > 1
         else f"{folder}/*.tar"
     )
     shown = ", ".join(tars[:3]) + (f", ... {tars[-1]}" if len(tars) > 3 else "")

@@ -224,7 +224,7 @@ def _reachable(url: str, seconds: float = PROBE_SECONDS) -> bool:
 def _download_status(
     spec: ModelSpec, source: str, url: str, cache: str, fetch: str
 ) -> WeightsStatus:
-    """"download" when `url`'s host answers; else a ModelLoadError in one sentence (the
+    """ "download" when `url`'s host answers; else a ModelLoadError in one sentence (the
     weights are neither in `cache` nor reachable, and how to get them here)."""
     if _reachable(url):
         return WeightsStatus("download", f"{source} into {cache}")
