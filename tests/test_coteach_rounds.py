@@ -18,6 +18,7 @@ from log_capture import console_output
 from shared_run import PAIRS_PER_SHARD, SHARDS, copy_run, load
 
 from pipeline.clients.read import read_labels
+from pipeline.core.partition.decisions import SUBSETS
 from pipeline.io.layout import BASELINE_SUMMARY, RunLayout
 from pipeline.run.runner import resolve_inputs, run_job
 from pipeline.run.specs import coteach_spec
@@ -147,6 +148,46 @@ def test_published_labels_are_the_mean_of_the_final_round_views(sps_run):
     assert table[-1]["auroc_combined"] == pytest.approx(combined)
     assert all(0 <= row["rsum_A+B"] <= 600 for row in table)  # six recalls in %
     assert (out / "report" / "index.html").exists()
+
+
+def test_every_round_has_label_free_diagnostics(sps_run):
+    """Kept share, subset shares, the views' agreement and the change from the round before,
+    as the closing table and metrics.json show them, against the label tables themselves."""
+    from scipy.stats import spearmanr
+
+    out, rows = sps_run["out"], sps_run["metrics"]["coteaching"]
+
+    def views(r):
+        tables = [
+            read_labels(out / "rounds" / str(r) / f"labels_{v}").to_table().sort_by("key")
+            for v in ("a", "b")
+        ]
+        soft = [t.column("soft_label").to_numpy().astype(np.float64) for t in tables]
+        codes = [
+            np.array([SUBSETS.index(s) for s in t.column("subset").to_pylist()]) for t in tables
+        ]
+        return soft, codes
+
+    (soft1, codes1), (soft2, codes2) = views(1), views(2)
+    published2 = (soft2[0] + soft2[1]) / 2
+    subset1, subset2 = np.maximum(*codes1), np.maximum(*codes2)
+    first, last = rows
+    assert last["kept_fraction"] == pytest.approx(np.mean(subset2 < 2))  # export defaults
+    assert last["subset_shares"]["noisy"] == pytest.approx(np.mean(subset2 == 2))
+    assert last["views_subset_agreement"] == pytest.approx(np.mean(codes2[0] == codes2[1]))
+    assert last["views_spearman"] == pytest.approx(spearmanr(*soft2).statistic, abs=0.02)
+    assert first["change_spearman"] is None and first["changed_subset_share"] is None
+    assert last["changed_subset_share"] == pytest.approx(np.mean(subset1 != subset2))
+    published1 = (soft1[0] + soft1[1]) / 2
+    assert last["change_spearman"] == pytest.approx(
+        spearmanr(published1, published2).statistic, abs=0.02
+    )
+    for row in rows:
+        assert 0 < row["noise_a"] < 1 and 0 < row["noise_b"] < 1
+        assert row["val_rsum_A"] is None  # the shared job sets no eval.val_shards
+    log = sps_run["log"]
+    assert "kept clean quasi noisy views rho same subset changed rho prev" in " ".join(log.split())
+    assert "after round 1 " in log and "with the ground truth (label AUROC per view)" in log
 
 
 def _one_round_after(sps_run: dict, out: Path, mode: str, **train):

@@ -101,8 +101,12 @@ def test_the_evidence_column_is_the_methods_own_or_absent(labelled):
         page = _page(run, gallery_size=3)
         assert "<th>nearest clean anchor (by image; by text)</th>" in page
         assert f"<code>{first}</code>" in page and "<em>none</em>" not in page
-        _with_method(run, "assign", lambda keys: [None] * len(keys))  # no noisy pair shown
+        # assign records competitors for noisy pairs only: a pair without them shows the
+        # captions its image retrieves (its nearest competitors), said so.
+        _with_method(run, "assign", lambda keys: [None] * len(keys))
+        write_embeddings(run, 1, [(keys, vectors, vectors)])
         page = _page(run, gallery_size=3)
-        assert "<th>best competitors of a noisy pair" in page and "<em>none</em>" in page
+        assert "<th>best competitors of a noisy pair" in page and "<em>none</em>" not in page
+        assert page.count("none recorded; its image retrieves 1. <b>its own caption</b>") == 9
     finally:
         _with_method(run, None, lambda keys: [None] * len(keys))

@@ -43,6 +43,7 @@ RANDOM_SAMPLE = 200
 REPORT_MAX_ROWS = 1_000_000
 THUMB_SIZE = 112
 SIDES = ("by image: ", "by text: ")  # the anchor-key columns' prefixes in the evidence column
+RETRIEVED_PREFIX = "none recorded; its image retrieves "  # a row without recorded evidence
 KIND_COLOURS = {"clean": "tab:green", "partial": "tab:orange", "mismatched": "tab:red"}
 SUBSET_COLOURS = dict(zip(SUBSET_VALUES, ("tab:green", "tab:orange", "tab:red"), strict=True))
 
@@ -276,9 +277,25 @@ def _image(thumbs: dict[str, str], key: str) -> str:
     return "<em>no thumbnail</em>"
 
 
+def _retrieved(root: str, meta: dict, keys: list[str], rows: list[int], prefix: str) -> dict:
+    """row -> [(prefix i., key)] of the 3 captions its image retrieves in the labelled round's
+    embeddings (published labels, a+b: view a's neighbours)."""
+    from pipeline.reporting.evidence import retrieved_captions
+
+    if not rows:
+        return {}
+    view = (meta.get("ncl.view") or "a")[0]
+    near = retrieved_captions(root, int(meta.get("ncl.round", 0)), view, [keys[r] for r in rows])
+    return {
+        r: [(f"{prefix}{i}. ", k) for i, k in enumerate(near.get(keys[r], []), 1)] for r in rows
+    }
+
+
 def _method_evidence(table, shown: list[int], meta: dict, root: str):
     """(heading, row -> [(prefix, key)] of its evidence pairs, whether they show images): the
-    label method's own evidence (`LabelMethod.evidence`); ("", {}, False) when it has none."""
+    label method's own evidence (`LabelMethod.evidence`); ("", {}, False) when it has none.
+    A row for which the method recorded no pair (assign and SPS record them for noisy pairs
+    only) shows the captions its image retrieves instead, said so by its prefix."""
     from pipeline.core.labels import LABEL_METHODS
 
     entry = LABEL_METHODS.get(meta.get("ncl.method") or "")
@@ -286,13 +303,7 @@ def _method_evidence(table, shown: list[int], meta: dict, root: str):
         return "", {}, False
     keys = table.column("key").to_pylist()
     if entry.evidence_from == "retrieval":  # searched now, in the labelled round's embeddings
-        from pipeline.reporting.evidence import retrieved_captions
-
-        view = (meta.get("ncl.view") or "a")[0]  # published labels (a+b): view a's neighbours
-        asked = [keys[row] for row in shown]
-        near = retrieved_captions(root, int(meta.get("ncl.round", 0)), view, asked, k=3)
-        cited = {r: [(f"{i}. ", k) for i, k in enumerate(near.get(keys[r], []), 1)] for r in shown}
-        return entry.evidence, cited, False
+        return entry.evidence, _retrieved(root, meta, keys, shown, ""), False
     by_image = table.column("image_anchor_key").to_pylist()
     by_text = table.column("text_anchor_key").to_pylist()
     cited = {}
@@ -301,6 +312,8 @@ def _method_evidence(table, shown: list[int], meta: dict, root: str):
         one = pair[0] and pair[0] == pair[1]  # one pair is the evidence of both sides
         sides = [("", pair[0])] if one else list(zip(SIDES, pair, strict=True))
         cited[row] = [(prefix, key) for prefix, key in sides if key]
+    bare = [row for row in shown if not cited[row]]
+    cited.update(_retrieved(root, meta, keys, bare, RETRIEVED_PREFIX))
     return entry.evidence, cited, True
 
 

@@ -77,6 +77,32 @@ def summary_html(metrics: dict | None, meta: dict[str, str], manifest: dict | No
             )
         )
     table = metrics.get("coteaching") or []
+    last_row = table[-1] if table else {}
+    if last_row.get("views_spearman") is not None:
+        kept = last_row.get("kept_fraction")
+        change = last_row.get("changed_subset_share")
+        rows.append(
+            (
+                "agreement",
+                f"views a and b: Spearman {_fmt(last_row['views_spearman'])}, same subset "
+                f"{_fmt(last_row.get('views_subset_agreement'))}; "
+                + (
+                    f"{100 * change:.1f}% changed subset since the round before; "
+                    if change is not None
+                    else ""
+                )
+                + (
+                    f"the export keeps {100 * kept:.1f}% at its defaults"
+                    if kept is not None
+                    else ""
+                ),
+            )
+        )
+    vals = [last_row.get(f"val_rsum_{v}") for v in ("A", "B")]
+    if any(v is not None for v in vals):
+        rows.append(
+            ("validation", f"rSum of the last models A / B {_fmt(vals[0], 1)} / {_fmt(vals[1], 1)}")
+        )
     if table and table[-1].get("rsum_A+B") is not None:
         first, last = table[0], table[-1]
         rows.append(
@@ -104,6 +130,10 @@ def story_html(metrics: dict | None) -> str:
         cells = [
             models,
             str(row["labels_round"]),
+            " / ".join(_fmt(row.get(f"val_rsum_{n}"), 1) for n in ("A", "B")),
+            _fmt(row.get("kept_fraction")),
+            f"{_fmt(row.get('views_spearman'))} / {_fmt(row.get('views_subset_agreement'))}",
+            f"{_fmt(row.get('change_spearman'))} / {_fmt(row.get('changed_subset_share'))}",
             f"{_fmt(row.get('auroc_a'))} / {_fmt(row.get('auroc_b'))}",
             " / ".join(_fmt(row.get(f"rsum_{n}"), 1) for n in ("A", "B", "A+B")),
             _share(passes["a"].get("subsets")),
@@ -122,11 +152,17 @@ def story_html(metrics: dict | None) -> str:
         "<h2>The run, round by round</h2>"
         "<p>Each generation of models labels the corpus (round r's label pass uses the models "
         "after round r&minus;1); each model then trains on the labels its peer estimated. "
-        "Label AUROC: clean vs mismatched pairs against the ground truth; rSum: held-out "
-        "retrieval (R@1+5+10 both ways) of model A, B and their average.</p>"
-        '<img src="rounds.png" alt="label quality and retrieval per round">'
-        "<table class=q><tr><th>models</th><th>labels of round</th><th>label AUROC a / b</th>"
-        "<th>rSum A / B / A+B</th><th>subsets (view a) clean / quasi / noisy</th>"
+        "Without ground truth: validation rSum (eval.val_shards) of the kept epoch, the share "
+        "the export keeps at its defaults, the two views' agreement (Spearman of their labels, "
+        "share in the same subset) and the change from the round before (Spearman, share that "
+        "changed subset): labels that agree and settle are labels the run is sure of. With a "
+        "ground truth and a test split: label AUROC (clean vs mismatched) and test rSum "
+        "(R@1+5+10 both ways) of model A, B and their average. &ndash;: not measured.</p>"
+        '<img src="rounds.png" alt="labels and retrieval per round">'
+        "<table class=q><tr><th>models</th><th>labels of round</th><th>val rSum A / B</th>"
+        "<th>kept</th><th>views: Spearman / same subset</th>"
+        "<th>vs round before: Spearman / changed</th><th>label AUROC a / b</th>"
+        "<th>test rSum A / B / A+B</th><th>subsets (view a) clean / quasi / noisy</th>"
         "<th>mixture fit a (loss means)</th><th>mixture fit b</th></tr>"
         + "".join(body)
         + "</table>"
@@ -134,29 +170,64 @@ def story_html(metrics: dict | None) -> str:
     )
 
 
+def _series(rows: list[dict], column: str) -> list[float]:
+    return [float("nan") if row.get(column) is None else row[column] for row in rows]
+
+
+def _has(rows: list[dict], *columns: str) -> bool:
+    return any(row.get(c) is not None for row in rows for c in columns)
+
+
 def rounds_figure(plt, metrics: dict | None) -> Any | None:
-    """Label AUROC per view and held-out rSum per model generation (None: nothing to plot)."""
+    """Per model generation, the panels the run has data for: the labels' agreement and
+    stability (every run), retrieval rSum on the validation and test splits (when set), and
+    label AUROC (with ground truth). None: nothing to plot."""
     rows = (metrics or {}).get("coteaching") or []
-    if not rows:
+    panels = []
+    if _has(rows, "views_spearman", "kept_fraction"):
+        panels.append("labels")
+    if _has(rows, "rsum_A+B", "val_rsum_A", "val_rsum_B"):
+        panels.append("retrieval")
+    if _has(rows, "auroc_a", "auroc_b"):
+        panels.append("auroc")
+    if not panels:
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.4), squeeze=False)
     x = [row["models"] for row in rows]
     names = ["warmed up" if g == 0 else f"round {g}" for g in x]
-    for view, style in (("a", "-o"), ("b", "--s")):
-        axes[0].plot(x, [row.get(f"auroc_{view}") or float("nan") for row in rows], style,
-                     label=f"labels of view {view}")  # fmt: skip
-    combined = rows[-1].get("auroc_combined")
-    if combined is not None:
-        axes[0].plot([x[-1]], [combined], "k*", ms=12, label="published (a+b)")
-    axes[0].set_title("label AUROC (clean vs mismatched)")
-    for name, style in (("A", "-o"), ("B", "--s"), ("A+B", "-^")):
-        axes[1].plot(x, [row.get(f"rsum_{name}") or float("nan") for row in rows], style,
-                     label=name)  # fmt: skip
-    axes[1].set_title("held-out retrieval rSum")
-    for ax in axes:
+    for ax, panel in zip(axes[0], panels, strict=True):
+        if panel == "labels":
+            for column, style, label in (
+                ("views_spearman", "-o", "views a, b: Spearman"),
+                ("views_subset_agreement", "--s", "views a, b: same subset"),
+                ("change_spearman", "-^", "vs the round before: Spearman"),
+                ("kept_fraction", ":D", "kept (export defaults)"),
+                ("noise_a", "-.x", "mixture noise rate (a)"),
+            ):
+                ax.plot(x, _series(rows, column), style, label=label)
+            ax.set_ylim(0, 1.02)
+            ax.set_title("labels (no ground truth needed)")
+        elif panel == "retrieval":
+            for column, style, label in (
+                ("val_rsum_A", ":o", "validation A"),
+                ("val_rsum_B", ":s", "validation B"),
+                ("rsum_A", "-o", "test A"),
+                ("rsum_B", "--s", "test B"),
+                ("rsum_A+B", "-^", "test A+B"),
+            ):
+                if _has(rows, column):
+                    ax.plot(x, _series(rows, column), style, label=label)
+            ax.set_title("retrieval rSum")
+        else:
+            for view, style in (("a", "-o"), ("b", "--s")):
+                ax.plot(x, _series(rows, f"auroc_{view}"), style, label=f"labels of view {view}")
+            combined = rows[-1].get("auroc_combined")
+            if combined is not None:
+                ax.plot([x[-1]], [combined], "k*", ms=12, label="published (a+b)")
+            ax.set_title("label AUROC (clean vs mismatched, ground truth)")
         ax.set_xticks(x, names)
         ax.set_xlabel("models")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig

@@ -367,6 +367,10 @@ class Publish(StageKind):
         from pipeline.stages.publish import publish_labels
 
         layout, last = ctx.layout, stage.round_index
+        rounds = range(1, last + 1)  # every labels round, for the label-free diagnostics
+        diagnose = {
+            r: (layout.labels_round_dir(r, "a"), layout.labels_round_dir(r, "b")) for r in rounds
+        }
         return publish_labels(
             {view: layout.labels_round_dir(last, view) for view in ("a", "b")},
             self.shards(ctx, stage),
@@ -375,6 +379,7 @@ class Publish(StageKind):
             job_hash=ctx.job.stage_hash(),
             ground_truth=ctx.job.eval.ground_truth,
             run_state=stamp,
+            diagnose=diagnose,
         )
 
     def after(self, ctx: RunContext, stage: Stage, summary: dict) -> None:

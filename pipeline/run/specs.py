@@ -311,7 +311,5 @@ def fitted_clean_share(job: JobConfig, layout: RunLayout) -> float:
         record = read_json(layout.mixture(1, view))
         if record is None:
             raise FileNotFoundError(f"{layout.mixture(1, view)}: round 1's mixture is missing")
-        fit = MixtureFit.from_dict(record["fits"][job.mixture.kind])
-        clean = fit.weights[fit.clean_component] if fit.weights is not None else 1.0
-        weights.append(1.0 if fit.no_spread else clean)
+        weights.append(MixtureFit.from_dict(record["fits"][job.mixture.kind]).clean_share())
     return float(np.mean(weights))

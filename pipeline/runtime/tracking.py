@@ -58,6 +58,15 @@ COTEACHING_SCALARS = {
     "rsum_A": ("heldout/rsum_A", "models"),
     "rsum_B": ("heldout/rsum_B", "models"),
     "rsum_A+B": ("heldout/rsum_A+B", "models"),
+    "val_rsum_A": ("val/rsum_A", "models"),
+    "val_rsum_B": ("val/rsum_B", "models"),
+    "kept_fraction": ("labels/kept_fraction", "labels_round"),
+    "views_spearman": ("labels/views_spearman", "labels_round"),
+    "views_subset_agreement": ("labels/views_subset_agreement", "labels_round"),
+    "change_spearman": ("labels/change_spearman", "labels_round"),
+    "changed_subset_share": ("labels/changed_subset_share", "labels_round"),
+    "noise_a": ("labels/noise_rate_a", "labels_round"),
+    "noise_b": ("labels/noise_rate_b", "labels_round"),
 }
 
 
@@ -172,8 +181,9 @@ def track_epoch(message: Mapping[str, Any]) -> None:
 
 
 def track_coteaching(rows: list[Mapping[str, Any]]) -> None:
-    """The co-teaching table (`pipeline.run.runner.coteaching_table`): label AUROC per labels
-    round and view, held-out rSum per model generation."""
+    """The co-teaching table (`pipeline.run.summary.coteaching_table`): per labels round its
+    label-free diagnostics and, with ground truth, AUROC per view; per model generation its
+    validation and held-out rSum."""
     for row in rows:
         for column, (tag, step) in COTEACHING_SCALARS.items():
             _scalar(tag, row.get(column), int(row[step]))

@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from pipeline.config import JobConfig
 from pipeline.core.labels import SCORE_COLUMNS
+from pipeline.core.partition.decisions import combined_subsets
 from pipeline.io.ground_truth import quality_arrays, quality_from_parts
 from pipeline.io.labels import LABELS_SCHEMA, LABELS_SCHEMA_NAME, SUBSET_VALUES, uid_of
 from pipeline.io.layout import LABEL_PASS_SUMMARY, RUN_STATE_FIELD
@@ -144,7 +145,7 @@ def combine_shard(
             columns[name] = _mean_column(table_a.column(name), table_b.column(name))
         else:  # a view table older than this score column: null, as a reader would see it
             columns[name] = pa.nulls(len(keys), LABELS_SCHEMA.field(name).type)
-    subset = np.maximum(
+    subset = combined_subsets(
         _subset_codes(table_a.column("subset")), _subset_codes(table_b.column("subset"))
     )
     columns["subset"] = pa.DictionaryArray.from_arrays(
@@ -194,6 +195,7 @@ def publish_labels(
     ground_truth: str | None = None,
     embeddings_dir: str | None = None,
     run_state: dict | None = None,
+    diagnose: dict[int, tuple[str, str]] | None = None,
 ) -> dict[str, Any]:
     """Write the final label tables from two views' tables of one round.
 
@@ -208,6 +210,8 @@ def publish_labels(
             `rounds/<r>/embeddings` beside the view folders.
         run_state: the run-state key of the publish stage, recorded in the summary
             (`pipeline.io.layout.RUN_STATE_FIELD`); None outside a run.
+        diagnose: {labels round: (view a's folder, view b's folder)} of every round to
+            describe without ground truth (`pipeline.stages.diagnostics`); None: none.
 
     Returns:
         The summary written to `out_dir/gen-<n>/_label_pass.json` (`generation`: its name).
@@ -246,8 +250,12 @@ def publish_labels(
         "subsets": {name: sum(r["subsets"][name] for r in results) for name in SUBSET_VALUES},
         "partition": {view: s.get("partition") for view, s in views.items()},
         "quality": quality_from_parts([r["quality"] for r in results if "quality" in r]),
-        "seconds": time.perf_counter() - started,
     }
+    if diagnose:
+        from pipeline.stages.diagnostics import label_diagnostics
+
+        summary["diagnostics"] = label_diagnostics(diagnose, shards)
+    summary["seconds"] = time.perf_counter() - started
     if run_state is not None:
         summary[RUN_STATE_FIELD] = run_state
     write_json_atomic(summary, f"{folder}/{SUMMARY_NAME}")

@@ -102,6 +102,13 @@ class MixtureFit:
     log_likelihood: float  # mean per-sample log-likelihood (x units) of the final parameters
     log_likelihood_trace: tuple[float, ...] = field(default=())  # before each M-step + final
 
+    def clean_share(self) -> float:
+        """The clean component's mixing weight (1 when no fit ran): 1 - the estimated noise
+        rate."""
+        if self.no_spread or self.weights is None:
+            return 1.0
+        return float(self.weights[self.clean_component])
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (NaN becomes None) for metrics.json and Parquet metadata."""
         out: dict[str, Any] = {}

@@ -41,6 +41,7 @@ __all__ = [
     "Select",
     "ShardMasks",
     "ShardScalars",
+    "combined_subsets",
     "decide_anchors",
     "decide_clean_split",
     "decide_rcr_candidates",
@@ -52,6 +53,11 @@ __all__ = [
 
 SUBSETS = ("clean", "quasi_clean", "noisy")  # subset names by int8 code; SPS "reliable" = clean
 CLEAN, QUASI_CLEAN, NOISY = 0, 1, 2
+
+
+def combined_subsets(codes_a: np.ndarray, codes_b: np.ndarray) -> np.ndarray:
+    """(N,) subset codes of two views -> the published subset: the more cautious of the two."""
+    return np.maximum(codes_a, codes_b)
 
 
 @dataclass

@@ -29,6 +29,8 @@ from pipeline.io.layout import MANIFEST_NAME
 from pipeline.io.tables import TEMP_SUFFIX, open_atomic, read_json, write_json_atomic
 
 __all__ = [
+    "DEFAULT_MIN_LABEL",
+    "DEFAULT_SUBSETS",
     "FORMATS",
     "KEYS_SCHEMA",
     "UID_DTYPE",
@@ -44,6 +46,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FORMATS = ("wds", "uid", "keys")
+# What `ncl-pipeline export` keeps by default (the run's closing table reports that share).
+DEFAULT_MIN_LABEL = 0.0
+DEFAULT_SUBSETS = ("clean", "quasi_clean")
 UID_DTYPE = np.dtype("u8,u8")  # DataComp's subset-file dtype: (high, low) halves of a uid
 PLAN_NAME = "_export_plan.json"
 SUMMARY_NAME = "_export.json"
@@ -80,8 +85,8 @@ class ExportSpec:
     run: str  # run directory (its labels/) or a folder of label tables
     out: str  # export directory
     format: str = "wds"  # wds | uid | keys
-    min_label: float = 0.0  # keep soft_label >= min_label
-    subsets: tuple[str, ...] = ("clean", "quasi_clean")  # keep these subsets
+    min_label: float = DEFAULT_MIN_LABEL  # keep soft_label >= min_label
+    subsets: tuple[str, ...] = DEFAULT_SUBSETS  # keep these subsets
     samples_per_shard: int = 10_000  # wds: pairs per output shard (DataComp's resharder default)
     repeat_by_label: float | None = None  # uid: write each uid round(R * label) times
     seed: int = 0  # uid: seed of the stochastic rounding
