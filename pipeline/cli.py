@@ -314,6 +314,48 @@ def report(
 
 
 @app.command()
+def audit(
+    run_dir: str = typer.Argument(..., help="Run directory (the job's output) with labels/."),
+    summary: bool = typer.Option(
+        False, "--summary", help="Print what the answers so far estimate, instead of serving."
+    ),
+    per_decile: int = typer.Option(10, "--per-decile", help="Pairs to judge per label decile."),
+    seed: int = typer.Option(0, help="Seed of the sample (and of the intervals' bootstrap)."),
+    port: int = typer.Option(8377, help="Port on 127.0.0.1 (0: any free port)."),
+    resample: bool = typer.Option(
+        False, "--resample", help="Draw a new sample; the answers given so far are discarded."
+    ),
+    min_label: float = typer.Option(
+        0.0, "--min-label", help="--summary: the export selection to judge (as export's)."
+    ),
+    subset: str = typer.Option("clean,quasi_clean", "--subset", help="--summary: as export's."),
+) -> None:
+    """Judge a sample of the labelled pairs in the browser (match / partial / mismatch), then
+    estimate the precision of what the export keeps and drops, and the labels' AUROC."""
+    from pipeline.reporting.audit import audit_summary, format_summary, serve_audit
+
+    if summary:
+        subsets = tuple(s.strip() for s in subset.split(",") if s.strip())
+        found = _guard(audit_summary, run_dir, min_label, subsets, seed)
+        typer.echo(format_summary(run_dir, found))
+        return
+    server = _guard(serve_audit, run_dir, port, per_decile, seed, resample)
+    pairs = server.sample.table.num_rows
+    typer.echo(
+        f"audit: {server.url} ({pairs} pairs, {len(server.answers)} judged so far; keys 1 match, "
+        f"2 partial, 3 mismatch, <- back). Answers are saved to {run_dir}/audit/answers.parquet "
+        "as you give them; Ctrl-C stops, and rerunning resumes."
+    )
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+    typer.echo(f"stopped; `ncl-pipeline audit {run_dir} --summary` prints the estimates")
+
+
+@app.command()
 def export(
     run_dir: str = typer.Argument(..., help="Run directory (the job's output) with labels/."),
     out: str = typer.Option(..., "--out", help="Export directory (created; must be empty)."),

@@ -5,6 +5,7 @@ under CI (CI=true): `make test` installs Chromium when it is missing."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -30,8 +31,10 @@ def _need_browser() -> tuple[str, str]:
     pytest.skip(message)
 
 
-def check_report_in_browser(index: Path, screenshot: Path) -> dict:
-    """Open `index` (file://) headless; returns what the page reported."""
+@contextlib.contextmanager
+def headless_chrome(profile: Path, *extra: str):
+    """A selenium Chrome driver on Debian's headless Chromium (the flags a closed network
+    needs), with the browser console's log kept; quit on exit."""
     browser, driver_path = _need_browser()
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -47,14 +50,23 @@ def check_report_in_browser(index: Path, screenshot: Path) -> dict:
         "--disable-background-networking",
         "--disable-component-update",
         "--disable-sync",
-        "--allow-file-access-from-files",
-        f"--user-data-dir={screenshot.parent / 'chromium-profile'}",
+        f"--user-data-dir={profile}",
         "--window-size=1280,2000",
+        *extra,
     ):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(driver_path), options=options)
     try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def check_report_in_browser(index: Path, screenshot: Path) -> dict:
+    """Open `index` (file://) headless; returns what the page reported."""
+    profile = screenshot.parent / "chromium-profile"
+    with headless_chrome(profile, "--allow-file-access-from-files") as driver:
         driver.get(index.resolve().as_uri())
         state = driver.execute_script(
             "return {ready: document.readyState, title: document.title,"
@@ -63,8 +75,6 @@ def check_report_in_browser(index: Path, screenshot: Path) -> dict:
         )
         errors = [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
         driver.save_screenshot(str(screenshot))
-    finally:
-        driver.quit()
     assert state["ready"] == "complete" and state["title"] == "ncl-pipeline report", state
     assert errors == [], errors
     broken = [i["src"] for i in state["images"] if not (i["complete"] and i["width"] > 0)]

@@ -32,7 +32,7 @@ import numpy as np
 from pipeline.io.labels import SUBSET_VALUES
 from pipeline.io.layout import LABEL_PASS_SUMMARY, MANIFEST_NAME
 
-__all__ = ["write_report"]
+__all__ = ["label_shard_paths", "write_report", "write_thumbnails"]
 
 GALLERY_SIZE = 12  # pairs per gallery
 # galleries.parquet also holds this many pairs drawn uniformly (seeded): a sample a person can
@@ -171,8 +171,16 @@ def _file_key(key: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:120]
 
 
-def _thumbnails(wanted: dict[str, list[str]], shard_paths: dict[str, str], fs, folder: str):
-    """Write thumbnails of `wanted` {shard: [keys]}; returns {key: relative path}."""
+def write_thumbnails(
+    wanted: dict[str, list[str]],
+    shard_paths: dict[str, str],
+    fs,
+    folder: str,
+    subdir: str = "thumbs",
+    size: int = THUMB_SIZE,
+) -> dict[str, str]:
+    """Write PNGs (longer side at most `size`) of `wanted` {shard: [keys]}, read from the
+    source tars, to `folder/subdir/`; returns {key: path relative to `folder`}."""
     from pipeline.io.shards import RawRecord, decode_record, iter_shard_records
 
     out = {}
@@ -192,10 +200,10 @@ def _thumbnails(wanted: dict[str, list[str]], shard_paths: dict[str, str], fs, f
                 if not hasattr(sample, "image") or sample.image is None:
                     continue
                 image = sample.image.copy()
-                image.thumbnail((THUMB_SIZE, THUMB_SIZE))
+                image.thumbnail((size, size))
                 buffer = io.BytesIO()
                 image.save(buffer, format="PNG")
-                name = f"thumbs/{_file_key(record.key)}.png"
+                name = f"{subdir}/{_file_key(record.key)}.png"
                 with fs.open(f"{folder}/{name}", "wb") as handle:
                     handle.write(buffer.getvalue())
                 out[record.key] = name
@@ -240,7 +248,7 @@ def _groups(table, keys: np.ndarray, truth_path: str | None):
     return groups, SUBSET_COLOURS, "by subset (no ground truth)"
 
 
-def _shard_paths(dataset) -> dict[str, str]:
+def label_shard_paths(dataset) -> dict[str, str]:
     """Shard name -> source tar path, from each label table's metadata."""
     from pipeline.io.labels import read_label_footer
 
@@ -351,7 +359,7 @@ def _galleries_html(dataset, table, galleries, evidence, truth_groups, fs, out) 
     for key, (shard, _) in info.items():
         if images:
             wanted.setdefault(shard, []).append(key)
-    thumbs = _thumbnails(wanted, _shard_paths(dataset), fs, out)
+    thumbs = write_thumbnails(wanted, label_shard_paths(dataset), fs, out)
 
     sections = []
     for _, title, explanation, rows in galleries:
