@@ -65,7 +65,7 @@ def binned_spearman(joint: np.ndarray) -> float | None:
     rows, cols = joint.sum(1), joint.sum(0)
 
     def midranks(counts: np.ndarray) -> np.ndarray:
-        return np.cumsum(counts) - counts + (counts + 1) / 2
+        return np.asarray(np.cumsum(counts) - counts + (counts + 1) / 2)
 
     centre = (n + 1) / 2
     rx, ry = midranks(rows) - centre, midranks(cols) - centre

@@ -57,7 +57,7 @@ CLEAN, QUASI_CLEAN, NOISY = 0, 1, 2
 
 def combined_subsets(codes_a: np.ndarray, codes_b: np.ndarray) -> np.ndarray:
     """(N,) subset codes of two views -> the published subset: the more cautious of the two."""
-    return np.maximum(codes_a, codes_b)
+    return np.asarray(np.maximum(codes_a, codes_b))
 
 
 @dataclass
