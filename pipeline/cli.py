@@ -371,6 +371,18 @@ def export(
         "--subset",
         help="Keep these subsets, comma-separated, of clean, quasi_clean, noisy.",
     ),
+    keep_fraction: float = typer.Option(
+        None,
+        "--keep-fraction",
+        help="Keep the top fraction F of every labelled pair by --rank-by, exact to one pair "
+        "(DataComp's rule; instead of --min-label and --subset).",
+    ),
+    rank_by: str = typer.Option(
+        "soft_label",
+        "--rank-by",
+        help="With --keep-fraction: soft_label, clean_prob, cosine (the CLIP score) or a "
+        "method's score column; ties go to the smaller key.",
+    ),
     samples_per_shard: int = typer.Option(
         10_000, "--samples-per-shard", help="wds: pairs per output shard."
     ),
@@ -399,6 +411,8 @@ def export(
             seed=seed,
             overwrite=overwrite,
             shards=tuple(shards) if shards else None,
+            keep_fraction=keep_fraction,
+            rank_by=rank_by,
         )
     except ValueError as exc:
         _fail(str(exc))

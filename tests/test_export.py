@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from export_fixtures import truth_labelled_corpus
 
@@ -285,3 +286,65 @@ def test_open_clip_trains_on_the_exported_shards(local_ray, corpus, tmp_path):
     losses = [float(line.split("Contrastive_loss: ")[1].split()[0]) for line in steps]
     assert all(np.isfinite(losses))
     assert (logs / "export-test" / "checkpoints" / "epoch_1.pt").exists()
+
+
+@pytest.fixture(scope="module")
+def tied(corpus, tmp_path_factory) -> dict:
+    """The corpus's label tables with soft_label rounded to 0.1: many pairs tie."""
+    import shutil
+
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    run = Path(shutil.copytree(corpus["run"], tmp_path_factory.mktemp("tied") / "run"))
+    for path in sorted(Path(labels_folder(run)[1]).glob("*.parquet")):
+        table = pq.read_table(path)
+        rounded = pc.cast(pc.round(table.column("soft_label"), 1), pa.float32())
+        table = table.set_column(table.schema.get_field_index("soft_label"), "soft_label", rounded)
+        pq.write_table(table, path)
+    labels = pa.concat_tables(
+        pq.read_table(p) for p in sorted(Path(labels_folder(run)[1]).glob("*.parquet"))
+    )
+    return {"run": run, "labels": labels}
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.5, 0.7, 1 / 3])
+def test_keep_fraction_is_exact_to_one_pair_ties_broken_by_key(local_ray, tied, tmp_path, fraction):
+    rows = tied["labels"].to_pylist()
+    ranked = sorted(rows, key=lambda r: (-r["soft_label"], r["key"]))
+    expected = ranked[: int(np.floor(fraction * len(rows) + 0.5))]
+    assert len({r["soft_label"] for r in rows}) < 12  # ties at the cut
+    spec = ExportSpec(run=str(tied["run"]), out=str(tmp_path / "uid"), format="uid",
+                      keep_fraction=fraction)  # fmt: skip
+    summary = export_run(spec)
+    assert summary["kept"] == len(expected)
+    array = np.load(tmp_path / "uid" / "uids.npy")
+    hexes = {f"{int(hi):016x}{int(lo):016x}" for hi, lo in array.tolist()}
+    assert hexes == {r["uid"] for r in expected}
+    assert summary["cut"]["key"] == expected[-1]["key"]
+    keys = export_run(ExportSpec(run=str(tied["run"]), out=str(tmp_path / "keys"),
+                                 format="keys", keep_fraction=fraction))  # fmt: skip
+    import pyarrow.parquet as pq
+
+    written = pq.read_table(tmp_path / "keys" / "keys.parquet").column("key").to_pylist()
+    assert keys["kept"] == len(expected) and set(written) == {r["key"] for r in expected}
+
+
+def test_keep_fraction_by_cosine_writes_those_pairs_as_webdataset(local_ray, corpus, tmp_path):
+    rows = corpus["labels"].to_pylist()
+    ranked = sorted(rows, key=lambda r: (-r["cosine"], r["key"]))
+    expected = {r["key"] for r in ranked[: int(np.floor(0.5 * len(rows) + 0.5))]}
+    spec = ExportSpec(run=str(corpus["run"]), out=str(tmp_path / "wds"), keep_fraction=0.5,
+                      rank_by="cosine")  # fmt: skip
+    assert export_run(spec)["kept"] == len(expected)
+    assert {sample["__key__"] for sample in _read_wds(tmp_path / "wds")} == expected
+
+
+def test_keep_fraction_refuses_a_threshold_beside_it():
+    for options in ({"min_label": 0.5}, {"subsets": ("clean",)}):
+        with pytest.raises(ValueError, match="leave out --min-label and --subset"):
+            ExportSpec(run="r", out="o", keep_fraction=0.3, **options)
+    with pytest.raises(ValueError, match="--rank-by applies with --keep-fraction only"):
+        ExportSpec(run="r", out="o", rank_by="cosine")
+    with pytest.raises(ValueError, match="--rank-by 'nope'"):
+        ExportSpec(run="r", out="o", keep_fraction=0.3, rank_by="nope")

@@ -12,6 +12,8 @@ Contract:
   version history is in docs/architecture.md §4.4.
 - `open_label_table` reads one table of any readable version as the current schema: columns a
   later version appended read null, except `uid`, which labels.v1 lacks: `uid_of(key)`.
+- `kept_filter` and `DEFAULT_MIN_LABEL`/`DEFAULT_SUBSETS`: which rows a consumer keeps (the
+  export, the publish diagnostics and the audit apply the same rule).
 - `uid_of`: DataComp's 128-bit uid. `SPS_PROXIES_SCHEMA`: SPS's intermediate table (not a
   contract).
 """
@@ -31,6 +33,8 @@ from pipeline.core.labels import SCORE_COLUMNS, SCORE_DESCRIPTIONS
 from pipeline.core.partition.decisions import SUBSETS
 
 __all__ = [
+    "DEFAULT_MIN_LABEL",
+    "DEFAULT_SUBSETS",
     "LABELS_SCHEMA",
     "LABELS_SCHEMA_NAME",
     "LABELS_V1_SCHEMA",
@@ -43,6 +47,7 @@ __all__ = [
     "SUBSET_VALUES",
     "LABELLING_VIEW_KEY",
     "LabelFooter",
+    "kept_filter",
     "labelling_view",
     "labels_file_metadata",
     "labels_json_schema",
@@ -321,3 +326,28 @@ def labels_json_schema(version: str = LABELS_SCHEMA_NAME) -> dict[str, Any]:
         "subset_values": list(SUBSET_VALUES),
         "file_metadata": metadata,
     }
+
+
+# The export's keep rule by default (`ncl-pipeline export`): every clean and quasi-clean pair.
+DEFAULT_MIN_LABEL = 0.0
+DEFAULT_SUBSETS = ("clean", "quasi_clean")
+
+
+def kept_filter(min_label: float, subsets: tuple[str, ...], cut: tuple | None = None):
+    """The pyarrow filter of kept rows: soft_label >= min_label and subset in `subsets`, and
+    with `cut` = (column, score, key) (`--keep-fraction`), the rows ranked at or above the cut
+    (column > score, or == score with key <= the cut's key: ties go to the smaller key)."""
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    keep = (ds.field("soft_label") >= pa.scalar(min_label, pa.float32())) & pc.is_in(
+        ds.field("subset").cast(pa.string()), value_set=pa.array(list(subsets), pa.string())
+    )
+    if cut is None:
+        return keep
+    column, score, key = cut
+    value = pa.scalar(score, pa.float32())
+    ranked = (ds.field(column) > value) | (
+        (ds.field(column) == value) & (ds.field("key") <= pa.scalar(key, pa.string()))
+    )
+    return keep & ranked

@@ -318,7 +318,7 @@ def serve_audit(run: str, port: int = 0, per_stratum: int = 10, seed: int = 0,
 def audit_summary(run: str, min_label: float, subsets: tuple[str, ...], seed: int = 0) -> dict:
     """What the answers estimate at the selection `min_label` / `subsets` (the export's rule);
     raises AuditError when nothing has been judged."""
-    from pipeline.stages.export.tasks import kept_filter
+    from pipeline.io.labels import kept_filter
 
     sample = _read_sample(_folder(run))
     answers = read_answers(run)

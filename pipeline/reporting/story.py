@@ -77,32 +77,7 @@ def summary_html(metrics: dict | None, meta: dict[str, str], manifest: dict | No
             )
         )
     table = metrics.get("coteaching") or []
-    last_row = table[-1] if table else {}
-    if last_row.get("views_spearman") is not None:
-        kept = last_row.get("kept_fraction")
-        change = last_row.get("changed_subset_share")
-        rows.append(
-            (
-                "agreement",
-                f"views a and b: Spearman {_fmt(last_row['views_spearman'])}, same subset "
-                f"{_fmt(last_row.get('views_subset_agreement'))}; "
-                + (
-                    f"{100 * change:.1f}% changed subset since the round before; "
-                    if change is not None
-                    else ""
-                )
-                + (
-                    f"the export keeps {100 * kept:.1f}% at its defaults"
-                    if kept is not None
-                    else ""
-                ),
-            )
-        )
-    vals = [last_row.get(f"val_rsum_{v}") for v in ("A", "B")]
-    if any(v is not None for v in vals):
-        rows.append(
-            ("validation", f"rSum of the last models A / B {_fmt(vals[0], 1)} / {_fmt(vals[1], 1)}")
-        )
+    rows.extend(_label_free_rows(table[-1] if table else {}))
     if table and table[-1].get("rsum_A+B") is not None:
         first, last = table[0], table[-1]
         rows.append(
@@ -114,6 +89,30 @@ def summary_html(metrics: dict | None, meta: dict[str, str], manifest: dict | No
         )
     items = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd>" for k, v in rows)
     return f"<dl class=summary>{items}</dl>"
+
+
+def _label_free_rows(last_row: dict) -> list[tuple[str, str]]:
+    """The summary rows a run without ground truth has: the views' agreement, the change since
+    the round before, the kept share and the validation rSum of the last round."""
+    rows: list[tuple[str, str]] = []
+    if last_row.get("views_spearman") is not None:
+        kept = last_row.get("kept_fraction")
+        change = last_row.get("changed_subset_share")
+        text = (
+            f"views a and b: Spearman {_fmt(last_row['views_spearman'])}, same subset "
+            f"{_fmt(last_row.get('views_subset_agreement'))}"
+        )
+        if change is not None:
+            text += f"; {100 * change:.1f}% changed subset since the round before"
+        if kept is not None:
+            text += f"; the export keeps {100 * kept:.1f}% at its defaults"
+        rows.append(("agreement", text))
+    vals = [last_row.get(f"val_rsum_{v}") for v in ("A", "B")]
+    if any(v is not None for v in vals):
+        rows.append(
+            ("validation", f"rSum of the last models A / B {_fmt(vals[0], 1)} / {_fmt(vals[1], 1)}")
+        )
+    return rows
 
 
 def story_html(metrics: dict | None) -> str:

@@ -194,7 +194,7 @@ DIAGNOSTIC_COLUMNS = (
 def coteaching_table(job: JobConfig, rounds: dict, published: dict) -> list[dict]:
     """One row per model generation g (0 = warmed up, g = after co-teaching round g): its
     validation and held-out retrieval, the label-free diagnostics of the labels it estimated
-    (round g + 1's passes, `pipeline.stages.diagnostics`) and, with ground truth, their
+    (round g + 1's passes, `pipeline.stages.publish.diagnostics`) and, with ground truth, their
     quality."""
     method = job.labels.method
     diagnostics = published.get("diagnostics") or {}

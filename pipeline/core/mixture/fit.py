@@ -66,9 +66,7 @@ COLLAPSE_MIN_WEIGHT = 1e-4  # a component lighter than this has vanished
 MONOTONE_GRID = 16385  # points of the grid behind the monotone fix (spec asks >= 4096)
 
 
-# --------------------------------------------------------------------------------------------
-# Fit result
-# --------------------------------------------------------------------------------------------
+# --- Fit result -----------------------------------------------------------------------------
 
 
 Pair = tuple[float, float]
@@ -103,8 +101,7 @@ class MixtureFit:
     log_likelihood_trace: tuple[float, ...] = field(default=())  # before each M-step + final
 
     def clean_share(self) -> float:
-        """The clean component's mixing weight (1 when no fit ran): 1 - the estimated noise
-        rate."""
+        """The clean component's mixing weight, 1 - the estimated noise rate (1: no fit ran)."""
         if self.no_spread or self.weights is None:
             return 1.0
         return float(self.weights[self.clean_component])
@@ -206,9 +203,7 @@ def _check_fittable(hist: LossHistogram) -> bool:
     return has_spread(hist.lo, hist.hi) and int(np.count_nonzero(hist.counts)) >= 2
 
 
-# --------------------------------------------------------------------------------------------
-# Beta mixture
-# --------------------------------------------------------------------------------------------
+# --- Beta mixture ---------------------------------------------------------------------------
 
 
 def _beta_logpdf(x: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -337,9 +332,7 @@ def fit_bmm(
     )
 
 
-# --------------------------------------------------------------------------------------------
-# Gaussian mixture
-# --------------------------------------------------------------------------------------------
+# --- Gaussian mixture -----------------------------------------------------------------------
 
 
 def _gauss_logpdf(x: np.ndarray, mu: np.ndarray, var: np.ndarray) -> np.ndarray:
@@ -520,10 +513,7 @@ def fit_mixture(
     return MIXTURES[kind](build_histogram(losses, lo, hi, bins), **kwargs)
 
 
-# --------------------------------------------------------------------------------------------
-# Posterior
-# --------------------------------------------------------------------------------------------
-# --------------------------------------------------------------------------------------------
+# --- Posterior ------------------------------------------------------------------------------
 
 POSTERIOR_CHUNK = 1 << 20  # samples per block: bounds the float64 temporaries to a few MB
 

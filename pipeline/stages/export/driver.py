@@ -23,14 +23,19 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from pipeline.core.labels import SCORE_COLUMNS
 from pipeline.errors import UserError
-from pipeline.io.labels import READABLE_SCHEMA_NAMES, SUBSET_VALUES, open_label_table
+from pipeline.io.labels import (
+    DEFAULT_MIN_LABEL,
+    DEFAULT_SUBSETS,
+    READABLE_SCHEMA_NAMES,
+    SUBSET_VALUES,
+    open_label_table,
+)
 from pipeline.io.layout import MANIFEST_NAME
 from pipeline.io.tables import TEMP_SUFFIX, open_atomic, read_json, write_json_atomic
 
 __all__ = [
-    "DEFAULT_MIN_LABEL",
-    "DEFAULT_SUBSETS",
     "FORMATS",
     "KEYS_SCHEMA",
     "UID_DTYPE",
@@ -46,9 +51,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FORMATS = ("wds", "uid", "keys")
-# What `ncl-pipeline export` keeps by default (the run's closing table reports that share).
-DEFAULT_MIN_LABEL = 0.0
-DEFAULT_SUBSETS = ("clean", "quasi_clean")
+# What `--rank-by` may rank by for `--keep-fraction`: the label, the mixture's posterior, the
+# CLIP score (DataComp's baseline) and every method's score column.
+RANK_COLUMNS = ("soft_label", "clean_prob", "cosine", *SCORE_COLUMNS)
 UID_DTYPE = np.dtype("u8,u8")  # DataComp's subset-file dtype: (high, low) halves of a uid
 PLAN_NAME = "_export_plan.json"
 SUMMARY_NAME = "_export.json"
@@ -92,8 +97,23 @@ class ExportSpec:
     seed: int = 0  # uid: seed of the stochastic rounding
     overwrite: bool = False  # clear a previous export in `out` first
     shards: tuple[str, ...] | None = None  # input tars when they moved (else ncl.shard_path)
+    keep_fraction: float | None = None  # keep the top fraction of every labelled pair ...
+    rank_by: str = "soft_label"  # ... ranked by this column (ties: the smaller key first)
 
     def __post_init__(self) -> None:
+        if self.rank_by not in RANK_COLUMNS:
+            raise ValueError(f"--rank-by {self.rank_by!r}: use one of {', '.join(RANK_COLUMNS)}")
+        if self.keep_fraction is not None:
+            if not 0 < self.keep_fraction <= 1:
+                raise ValueError(f"--keep-fraction {self.keep_fraction} must be in (0, 1]")
+            if self.min_label != DEFAULT_MIN_LABEL or set(self.subsets) != set(DEFAULT_SUBSETS):
+                raise ValueError(
+                    "--keep-fraction keeps the top fraction of every labelled pair by "
+                    "--rank-by (DataComp's rule); leave out --min-label and --subset"
+                )
+            object.__setattr__(self, "subsets", tuple(SUBSET_VALUES))  # every pair competes
+        elif self.rank_by != "soft_label":
+            raise ValueError("--rank-by applies with --keep-fraction only")
         if self.format not in FORMATS:
             raise ValueError(f"format={self.format!r}; use one of {', '.join(FORMATS)}")
         unknown = [s for s in self.subsets if s not in SUBSET_VALUES]
@@ -295,12 +315,15 @@ def export_run(
     if any(i["schema"] == "labels.v1" for i in infos.values()):
         logger.warning("export: labels.v1 tables carry no uid; using sha256(key)'s first 128 bits")
     labelled = sum(i["rows"] for i in infos.values())
+    cut = None if spec.keep_fraction is None else rank_cut(files, spec.rank_by, spec.keep_fraction)
     if spec.format == "wds":
-        result = _export_wds(spec, files, _tar_paths(spec, infos), address, num_cpus)
+        result = _export_wds(spec, files, _tar_paths(spec, infos), address, num_cpus, cut)
     elif spec.format == "uid":
-        result = _export_uid(spec, files)
+        result = _export_uid(spec, files, cut)
     else:
-        result = _export_keys(spec, files)
+        result = _export_keys(spec, files, cut)
+    if cut is not None:
+        result["cut"] = {"rank_by": cut[0], "score": cut[1], "key": cut[2]}
     summary = {
         "format": spec.format,
         "run": spec.run,
@@ -320,12 +343,39 @@ def export_run(
     return {**summary, "skipped": False}
 
 
+def rank_cut(files: dict[str, str], column: str, fraction: float) -> tuple[str, float, str]:
+    """(column, score, key) of the last pair `--keep-fraction` keeps: the round(fraction * N)-th
+    of all N labelled pairs ranked by `column` (larger first; ties: smaller key first; a null or
+    NaN score is never kept). Reads the column of every table (4 bytes a pair on the driver),
+    then the keys at the cut's score only."""
+    import pyarrow.dataset as ds
+
+    scores = []
+    for shard in sorted(files):
+        values = open_label_table(files[shard], [column]).column(column)
+        scores.append(values.to_numpy(zero_copy_only=False).astype(np.float32))
+    every = np.concatenate(scores) if scores else np.empty(0, np.float32)
+    valid = every[~np.isnan(every)]
+    keep = min(int(np.floor(fraction * len(every) + 0.5)), len(valid))
+    if keep == 0:
+        return column, float("inf"), ""  # nothing ranks above +inf
+    score = np.partition(valid, len(valid) - keep)[len(valid) - keep]  # the keep-th largest
+    needed = keep - int((valid > score).sum())
+    at = ds.field(column) == pa.scalar(float(score), pa.float32())
+    tied = sorted(
+        key for shard in sorted(files) for key in open_label_table(files[shard], ["key"], at)
+        .column("key").to_pylist()
+    )  # fmt: skip
+    return column, float(score), tied[needed - 1]
+
+
 def _export_wds(
     spec: ExportSpec,
     files: dict[str, str],
     tars: dict[str, str],
     address: str | None,
     num_cpus: int | None,
+    cut: tuple | None,
 ) -> dict[str, Any]:
     import ray
 
@@ -337,7 +387,7 @@ def _export_wds(
     part_task = ray.remote(write_shard_part).options(**TASK_OPTIONS)
     shards = sorted(files)
     refs = [
-        part_task.remote(s, tars[s], files[s], spec.out, spec.min_label, tuple(spec.subsets))
+        part_task.remote(s, tars[s], files[s], spec.out, spec.min_label, tuple(spec.subsets), cut)
         for s in shards
     ]
     parts: list = [None] * len(refs)
@@ -374,11 +424,11 @@ def _brace_pattern(out: str, names: list[str]) -> str | None:
     return f"{out}/{{{names[0]}..{names[-1]}}}.tar"
 
 
-def _kept_batches(spec: ExportSpec, files: dict[str, str]):
+def _kept_batches(spec: ExportSpec, files: dict[str, str], cut: tuple | None):
     """(shard, kept table) per label table, in shard order, with uid filled for v1 tables."""
-    from pipeline.stages.export.tasks import kept_filter
+    from pipeline.io.labels import kept_filter
 
-    keep = kept_filter(spec.min_label, tuple(spec.subsets))
+    keep = kept_filter(spec.min_label, tuple(spec.subsets), cut)
     columns = ["key", "shard", "soft_label", "subset", "round", "uid"]
     for shard in sorted(files):
         yield shard, open_label_table(files[shard], columns, keep)
@@ -389,11 +439,11 @@ def _subset_counts(table: pa.Table) -> dict[str, int]:
     return {s: values.count(s) for s in SUBSET_VALUES}
 
 
-def _export_uid(spec: ExportSpec, files: dict[str, str]) -> dict[str, Any]:
+def _export_uid(spec: ExportSpec, files: dict[str, str], cut: tuple | None) -> dict[str, Any]:
     kept, entries = 0, 0
     subsets = dict.fromkeys(SUBSET_VALUES, 0)
     chunks = []
-    for shard, table in _kept_batches(spec, files):
+    for shard, table in _kept_batches(spec, files, cut):
         kept += table.num_rows
         for name, n in _subset_counts(table).items():
             subsets[name] += n
@@ -412,7 +462,7 @@ def _export_uid(spec: ExportSpec, files: dict[str, str]) -> dict[str, Any]:
     return {"kept": kept, "entries": entries, "subsets": subsets, "files": ["uids.npy"]}
 
 
-def _export_keys(spec: ExportSpec, files: dict[str, str]) -> dict[str, Any]:
+def _export_keys(spec: ExportSpec, files: dict[str, str], cut: tuple | None) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     kept = 0
@@ -421,7 +471,7 @@ def _export_keys(spec: ExportSpec, files: dict[str, str]) -> dict[str, Any]:
         open_atomic(f"{spec.out}/keys.parquet") as handle,
         pq.ParquetWriter(handle, KEYS_SCHEMA, compression="zstd") as writer,
     ):
-        for _, table in _kept_batches(spec, files):
+        for _, table in _kept_batches(spec, files, cut):
             kept += table.num_rows
             for name, n in _subset_counts(table).items():
                 subsets[name] += n

@@ -19,10 +19,8 @@ import logging
 import tarfile
 from typing import Any
 
-import pyarrow as pa
-
 from pipeline.errors import RunFailedError
-from pipeline.io.labels import SUBSET_VALUES, open_label_table
+from pipeline.io.labels import SUBSET_VALUES, kept_filter, open_label_table
 from pipeline.io.shards import RawRecord, iter_shard_records, split_source
 from pipeline.io.tables import file_exists, open_atomic, read_json, write_json_atomic
 
@@ -31,7 +29,6 @@ __all__ = [
     "END_OF_ARCHIVE",
     "ExportError",
     "assemble_output_shard",
-    "kept_filter",
     "member_bytes",
     "write_shard_part",
 ]
@@ -47,16 +44,6 @@ LABEL_COLUMNS = ["key", "soft_label", "subset", "round", "uid"]
 class ExportError(RunFailedError):
     """The input tars and the label tables disagree (a kept key is not in its tar): the
     export failed (exit 1), as a stage of a run does."""
-
-
-def kept_filter(min_label: float, subsets: tuple[str, ...]):
-    """The pyarrow filter of kept rows: soft_label >= min_label and subset in `subsets`."""
-    import pyarrow.compute as pc
-    import pyarrow.dataset as ds
-
-    return (ds.field("soft_label") >= pa.scalar(min_label, pa.float32())) & pc.is_in(
-        ds.field("subset").cast(pa.string()), value_set=pa.array(list(subsets), pa.string())
-    )
 
 
 def member_bytes(name: str, data: bytes) -> bytes:
@@ -95,9 +82,11 @@ def _extended_json(record: RawRecord, label: dict[str, Any], qualified: bool) ->
     return json.dumps(meta, ensure_ascii=False).encode("utf-8")
 
 
-def _read_kept(label_file: str, min_label: float, subsets: tuple[str, ...]) -> dict[str, dict]:
+def _read_kept(
+    label_file: str, min_label: float, subsets: tuple[str, ...], cut: tuple | None
+) -> dict[str, dict]:
     """{key: {soft_label, subset, round, uid}} of the kept rows of one label table."""
-    table = open_label_table(label_file, LABEL_COLUMNS, kept_filter(min_label, subsets))
+    table = open_label_table(label_file, LABEL_COLUMNS, kept_filter(min_label, subsets, cut))
     kept = {}
     columns = {name: table.column(name).to_pylist() for name in LABEL_COLUMNS}
     for key, label, subset, round_index, uid in zip(*columns.values(), strict=True):
@@ -112,6 +101,7 @@ def write_shard_part(
     out: str,
     min_label: float,
     subsets: tuple[str, ...],
+    cut: tuple | None = None,
 ) -> dict[str, Any]:
     """Write `<out>/_parts/<shard>.tarpart` and its marker `<shard>.json` (skip if done).
 
@@ -120,7 +110,7 @@ def write_shard_part(
         tar_path: the input tar (local path or fsspec URL).
         label_file: the shard's published label table.
         out: export directory.
-        min_label, subsets: the keep rule (`kept_filter`).
+        min_label, subsets, cut: the keep rule (`kept_filter`).
 
     Returns:
         The marker: {"shard", "count", "subsets": {name: n}, "offsets": [byte offset of each
@@ -133,7 +123,7 @@ def write_shard_part(
     done = read_json(marker)
     if done is not None:
         return done
-    kept = _read_kept(label_file, min_label, subsets)
+    kept = _read_kept(label_file, min_label, subsets, cut)
     offsets = [0]
     counts = dict.fromkeys(SUBSET_VALUES, 0)
     written: set[str] = set()

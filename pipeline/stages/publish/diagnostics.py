@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from pipeline.core.diagnostics import label_parts, merge_parts, summarize_parts
 from pipeline.core.partition.decisions import SUBSETS, combined_subsets
+from pipeline.io.labels import DEFAULT_MIN_LABEL, DEFAULT_SUBSETS
 from pipeline.io.tables import file_exists, read_table
 from pipeline.runtime.progress import Progress, as_completed
 
@@ -80,8 +81,6 @@ def label_diagnostics(
 ) -> dict[str, dict[str, Any]]:
     """{labels round (str): its diagnostics} over `shards` (see the module contract)."""
     import ray
-
-    from pipeline.stages.export.driver import DEFAULT_MIN_LABEL, DEFAULT_SUBSETS
 
     task = ray.remote(shard_diagnostics).options(**TASK_OPTIONS)
     refs = [task.remote(s, folders, DEFAULT_MIN_LABEL, DEFAULT_SUBSETS) for s in shards]

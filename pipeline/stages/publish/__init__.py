@@ -211,7 +211,7 @@ def publish_labels(
         run_state: the run-state key of the publish stage, recorded in the summary
             (`pipeline.io.layout.RUN_STATE_FIELD`); None outside a run.
         diagnose: {labels round: (view a's folder, view b's folder)} of every round to
-            describe without ground truth (`pipeline.stages.diagnostics`); None: none.
+            describe without ground truth (`pipeline.stages.publish.diagnostics`); None: none.
 
     Returns:
         The summary written to `out_dir/gen-<n>/_label_pass.json` (`generation`: its name).
@@ -252,7 +252,7 @@ def publish_labels(
         "quality": quality_from_parts([r["quality"] for r in results if "quality" in r]),
     }
     if diagnose:
-        from pipeline.stages.diagnostics import label_diagnostics
+        from pipeline.stages.publish.diagnostics import label_diagnostics
 
         summary["diagnostics"] = label_diagnostics(diagnose, shards)
     summary["seconds"] = time.perf_counter() - started
