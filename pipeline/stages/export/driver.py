@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.core.labels import SCORE_COLUMNS
+from pipeline.core.selection import kept_count
 from pipeline.errors import UserError
 from pipeline.io.labels import (
     DEFAULT_MIN_LABEL,
@@ -344,7 +345,7 @@ def export_run(
 
 
 def rank_cut(files: dict[str, str], column: str, fraction: float) -> tuple[str, float, str]:
-    """(column, score, key) of the last pair `--keep-fraction` keeps: the round(fraction * N)-th
+    """(column, score, key) of the last pair `--keep-fraction` keeps: the `kept_count`-th
     of all N labelled pairs ranked by `column` (larger first; ties: smaller key first; a null or
     NaN score is never kept). Reads the column of every table (4 bytes a pair on the driver),
     then the keys at the cut's score only."""
@@ -356,7 +357,7 @@ def rank_cut(files: dict[str, str], column: str, fraction: float) -> tuple[str, 
         scores.append(values.to_numpy(zero_copy_only=False).astype(np.float32))
     every = np.concatenate(scores) if scores else np.empty(0, np.float32)
     valid = every[~np.isnan(every)]
-    keep = min(int(np.floor(fraction * len(every) + 0.5)), len(valid))
+    keep = min(kept_count(fraction, len(every)), len(valid))
     if keep == 0:
         return column, float("inf"), ""  # nothing ranks above +inf
     score = np.partition(valid, len(valid) - keep)[len(valid) - keep]  # the keep-th largest
