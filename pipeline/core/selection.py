@@ -56,7 +56,7 @@ def neg_clip_loss(
     image = np.asarray(image_emb, np.float64)
     text = np.asarray(text_emb, np.float64)
     n = len(image)
-    cosine = np.einsum("nd,nd->n", image, text)
+    cosine: np.ndarray = np.einsum("nd,nd->n", image, text)
     if n < 2:
         return cosine
     batch_size = min(batch_size, n)
@@ -70,10 +70,12 @@ def neg_clip_loss(
             rows = order[start:end]
             logits = logit_scale * image[rows] @ text[rows].T  # (b, b)
             normaliser[rows] += 0.5 * (logsumexp(logits, axis=1) + logsumexp(logits, axis=0))
-    return cosine - normaliser / (repeats * logit_scale)
+    result: np.ndarray = cosine - normaliser / (repeats * logit_scale)
+    return result
 
 
 def rank_fusion(*scores: np.ndarray) -> np.ndarray:
     """(N,) mean of each score's percentile rank in (0, 1]: large when every score is large."""
     ranks = [rankdata(np.asarray(s, np.float64)) / len(s) for s in scores]
-    return np.mean(ranks, axis=0)
+    fused: np.ndarray = np.mean(ranks, axis=0)
+    return fused
