@@ -46,10 +46,12 @@ demo-full: $(STAMP) $(DEMO_DATA)/val/ground_truth.parquet
 	$(BIN)/ncl-pipeline run jobs/demo-full.yaml
 
 # The teacher: a CLIP pretrained once on a clean corpus of another distribution whose captions
-# never name count or position (jobs/teacher.yaml); the web demo starts from it. Cached.
+# name the object only (shape and colour: never size, background, count or position;
+# jobs/teacher.yaml); the web demo starts from it and the selection benchmark scores with it.
 $(TEACHER_DATA)/val/ground_truth.parquet: | $(STAMP)
 	$(BIN)/ncl-pipeline make-corpus --noise-model teacher --out $(TEACHER_DATA) --samples 4000 \
-		--seed 1000 --samples-per-shard 500 --test-samples 500 --val-samples 500
+		--seed 1000 --samples-per-shard 500 --test-samples 500 --val-samples 500 \
+		--teacher-names shape,colour
 
 $(TEACHER): $(TEACHER_DATA)/val/ground_truth.parquet jobs/teacher.yaml | $(STAMP)
 	$(BIN)/ncl-pipeline run jobs/teacher.yaml

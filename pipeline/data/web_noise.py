@@ -153,9 +153,9 @@ class WebNoise:
     distractor_scale: float = 0.7  # distractor radius over the object's
     low_contrast: float = 0.10  # rows (all splits) whose object is hard to see
     contrast: tuple[float, float] = (60.0, 100.0)  # RGB distance object/background
-    page_swap: float = 0.20  # a same-page sibling's caption, >= 2 attributes off (mismatched)
-    random_swap: float = 0.05  # another random row's caption (mismatched), the ncr protocol
-    boilerplate: float = 0.06  # site boilerplate text (mismatched)
+    page_swap: float = 0.06  # a same-page sibling's caption, >= 2 attributes off (mismatched)
+    random_swap: float = 0.20  # another random row's caption (mismatched), the ncr protocol
+    boilerplate: float = 0.08  # site boilerplate text (mismatched)
     boilerplate_zipf: float = 1.2  # exponent of the boilerplate frequencies
     page_caption: float = 0.06  # the page's topic caption (partial, degree 0.25)
     partial: float = 0.10  # one attribute changed (partial, degree 0.5)
