@@ -426,7 +426,13 @@ def summarise(lines: list[dict]) -> dict:
         "headroom": ratio("teacher_in_clean", "teacher"),
     }
     win = {f"over_{b}": ratio(best, b) for b in WIN} if best else {}
+    scorers = [line for line in lines if line.get("figure") == "selection_scorers"]
+    auroc = {
+        name: _spread([line["auroc"][name]["all_mismatched"] for line in scorers])
+        for name in (scorers[0]["auroc"] if scorers else {})
+    }
     return {
+        "scorer_auroc": auroc,
         "arms": table,
         "gates": gates,
         "gates_hold": {k: v is not None and v >= GATES[k] for k, v in gates.items()},
