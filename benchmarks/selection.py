@@ -218,20 +218,29 @@ def attribute_accuracy(loaded, probe) -> dict[str, float]:
     with torch.no_grad():
         image = torch.nn.functional.normalize(loaded.model.encode_image(pixels).float(), dim=-1)
         for attribute in attributes:
-            hits = []
-            for i, scene in enumerate(scenes):
-                values = (
-                    ALLOWED_COLOURS[scene.background]
-                    if attribute == "colour"
-                    else ATTRIBUTE_VALUES[attribute]
-                )
-                captions = [
-                    render_caption(dataclasses.replace(scene, **{attribute: v})) for v in values
+            options = [
+                ALLOWED_COLOURS[s.background]
+                if attribute == "colour"
+                else ATTRIBUTE_VALUES[attribute]
+                for s in scenes
+            ]
+            captions = [
+                render_caption(dataclasses.replace(s, **{attribute: v}))
+                for s, values in zip(scenes, options, strict=True)
+                for v in values
+            ]
+            text = torch.cat(
+                [
+                    loaded.model.encode_text(loaded.tokenizer(captions[i : i + 1024])).float()
+                    for i in range(0, len(captions), 1024)
                 ]
-                text = loaded.model.encode_text(loaded.tokenizer(captions)).float()
-                text = torch.nn.functional.normalize(text, dim=-1)
-                pick = int((text @ image[i]).argmax())
+            )
+            text = torch.nn.functional.normalize(text, dim=-1)
+            hits, start = [], 0
+            for i, (scene, values) in enumerate(zip(scenes, options, strict=True)):
+                pick = int((text[start : start + len(values)] @ image[i]).argmax())
                 hits.append(values[pick] == getattr(scene, attribute))
+                start += len(values)
             out[attribute] = round(float(np.mean(hits)), 3)
     out["mean"] = round(float(np.mean(list(out.values()))), 3)
     return out
@@ -444,6 +453,49 @@ def summarise(lines: list[dict]) -> dict:
     }
 
 
+ARM_NAMES = {
+    "none": "no filter (every pair)",
+    "random": "random f (the control)",
+    "oracle": "the true clean pairs (oracle)",
+    "teacher": "the teacher's CLIP score (DataComp's baseline)",
+    "negclip": "negCLIPLoss on the teacher (Wang et al. 2024)",
+    "teacher_in_clean": "the teacher's top f among the true clean pairs (headroom)",
+    "labels": "our soft labels, top f (`export --keep-fraction`)",
+    "weights": "our soft labels as per-pair weights",
+    "fusion": "rank fusion of the teacher's score and our labels",
+}
+
+
+def _arm_order(arm: str, order: list[str]) -> tuple[int, str]:
+    kind = arm if arm in order else arm.partition("_")[0]
+    return order.index(kind), arm
+
+
+def markdown_table(summary: dict) -> str:
+    """The README / docs table: test rSum, picked f, kept precision, attribute accuracy."""
+
+    def cell(spread: dict, digits: int = 1) -> str:
+        return (
+            f"{spread['median']:.{digits}f} ({spread['min']:.{digits}f}-{spread['max']:.{digits}f})"
+        )
+
+    rows = [
+        "| kept pairs | f picked on validation | precision | test rSum | attribute accuracy |",
+        "|---|---|---|---|---|",
+    ]
+    order = list(ARM_NAMES)
+    for arm, row in sorted(summary["arms"].items(), key=lambda item: _arm_order(item[0], order)):
+        kind, _, method = arm.partition("_")
+        name = ARM_NAMES.get(arm) or f"{ARM_NAMES[kind]}, {method}"
+        picked = "-" if row["fractions"][0] is None else " / ".join(map(str, row["fractions"]))
+        bold = "**" if arm == summary["best_label_arm"] else ""
+        rows.append(
+            f"| {name} | {picked} | {cell(row['precision'], 2)} | {bold}{cell(row['test_rsum'])}"
+            f"{bold} | {cell(row['attribute_mean'], 3)} |"
+        )
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -467,7 +519,9 @@ def main() -> None:
         lines = [
             json.loads(x) for p in args.summarise for x in Path(p).read_text().splitlines() if x
         ]
-        print(json.dumps({"figure": "selection_summary", **summarise(lines)}, indent=1))
+        summary = summarise(lines)
+        print(json.dumps({"figure": "selection_summary", **summary}, indent=1))
+        print(markdown_table(summary))
         return
     if not Path(args.teacher).exists():
         sys.exit(f"{args.teacher} is missing: run `make teacher` first")
