@@ -16,7 +16,8 @@ epochs). Arms, each keeping the top fraction f of the pool for f in `--fractions
   labels_<m>              our published soft labels, through `ncl-pipeline export
                           --keep-fraction f --rank-by soft_label --format keys`
   weights_<m>             every pair, its InfoNCE term weighted by its soft label (no f)
-  fusion_<m>              the mean percentile rank of the teacher's score and our label
+  fusion_<m>              the mean percentile rank of our label and the run's CLIP score,
+                          through `export --keep-fraction f --rank-by fusion`
 Each arm's f is picked on the **validation** rSum; the test split is only reported (rSum, per
 caption style, and the attribute accuracy below). Medians over seeds with min-max.
 
@@ -61,7 +62,7 @@ from pipeline.clients.read import read_labels  # noqa: E402
 from pipeline.config import load_job  # noqa: E402
 from pipeline.core.losses.training import weighted_infonce  # noqa: E402
 from pipeline.core.metrics import retrieval_recall, similarity_for_eval  # noqa: E402
-from pipeline.core.selection import neg_clip_loss, rank_fusion, top_fraction  # noqa: E402
+from pipeline.core.selection import neg_clip_loss, top_fraction  # noqa: E402
 from pipeline.data.scenes import (  # noqa: E402
     ALLOWED_COLOURS,
     BACKGROUNDS,
@@ -125,12 +126,14 @@ def published_labels(run: str, keys: list[str]) -> np.ndarray:
     return np.array([labels[where[k]] if k in where else np.nan for k in keys])
 
 
-def exported_keys(run: str, out: Path, fraction: float) -> set[str]:
-    """The keys `ncl-pipeline export --keep-fraction f --rank-by soft_label --format keys`
-    writes: what a user of the labels trains on."""
-    export_run(
-        ExportSpec(run=run, out=str(out), format="keys", keep_fraction=fraction, overwrite=True)
-    )
+def exported_keys(run: str, out: Path, fraction: float, rank_by: str) -> set[str]:
+    """The keys `ncl-pipeline export --keep-fraction f --rank-by R --format keys` writes:
+    what a user of the labels trains on."""
+    spec = ExportSpec(
+        run=run, out=str(out), format="keys", keep_fraction=fraction, rank_by=rank_by,
+        overwrite=True,
+    )  # fmt: skip
+    export_run(spec)
     return set(pq.read_table(out / "keys.parquet", columns=["key"]).column("key").to_pylist())
 
 
@@ -299,11 +302,10 @@ def arms_for(scores: dict, clean: np.ndarray, keys: np.ndarray, args, rng, expor
             arms[(name, f)] = (np.flatnonzero(top_fraction(scores[name], keys, f)), None)
         in_clean = np.where(clean, scores["teacher"], np.nan)
         arms[("teacher_in_clean", f)] = (np.flatnonzero(top_fraction(in_clean, keys, f)), None)
-        for method, labels in scores["labels"].items():
-            kept = exports[(method, f)]
-            arms[(f"labels_{method}", f)] = (np.flatnonzero([k in kept for k in keys]), None)
-            fused = rank_fusion(scores["teacher"], np.nan_to_num(labels, nan=0.0))
-            arms[(f"fusion_{method}", f)] = (np.flatnonzero(top_fraction(fused, keys, f)), None)
+        for method in scores["labels"]:
+            for arm, rank_by in (("labels", "soft_label"), ("fusion", "fusion")):
+                kept = exports[(method, f, rank_by)]
+                arms[(f"{arm}_{method}", f)] = (np.flatnonzero([k in kept for k in keys]), None)
     return arms
 
 
@@ -346,9 +348,10 @@ def run_seed(args, seed: int, workdir: Path, out) -> None:
         },
     )
     exports = {
-        (m, f): exported_keys(r, folder / f"export_{m}_{f}", f)
+        (m, f, by): exported_keys(r, folder / f"export_{m}_{f}_{by}", f, by)
         for m, r in runs.items()
         for f in args.fractions
+        for by in ("soft_label", "fusion")
     }
     rng = np.random.default_rng(seed)
     arms = arms_for(scores, clean, np.array(keys), args, rng, exports)
@@ -462,7 +465,7 @@ ARM_NAMES = {
     "teacher_in_clean": "the teacher's top f among the true clean pairs (headroom)",
     "labels": "our soft labels, top f (`export --keep-fraction`)",
     "weights": "our soft labels as per-pair weights",
-    "fusion": "rank fusion of the teacher's score and our labels",
+    "fusion": "rank fusion of our labels and the run's CLIP score (`--rank-by fusion`)",
 }
 
 

@@ -380,8 +380,9 @@ def export(
     rank_by: str = typer.Option(
         "soft_label",
         "--rank-by",
-        help="With --keep-fraction: soft_label, clean_prob, cosine (the CLIP score) or a "
-        "method's score column; ties go to the smaller key.",
+        help="With --keep-fraction: soft_label, clean_prob, cosine (the CLIP score), a "
+        "method's score column, or fusion (the mean percentile rank of soft_label and cosine); "
+        "ties go to the smaller key.",
     ),
     samples_per_shard: int = typer.Option(
         10_000, "--samples-per-shard", help="wds: pairs per output shard."

@@ -340,6 +340,29 @@ def test_keep_fraction_by_cosine_writes_those_pairs_as_webdataset(local_ray, cor
     assert {sample["__key__"] for sample in _read_wds(tmp_path / "wds")} == expected
 
 
+@pytest.mark.parametrize("fraction", [0.3, 0.7])
+def test_keep_fraction_by_fusion_keeps_the_best_mean_rank_in_every_format(
+    local_ray, tied, tmp_path, fraction
+):
+    from scipy.stats import rankdata
+
+    rows = tied["labels"].to_pylist()
+    # brute force: the sum of the two mean ranks (exact half-integers), larger first, then key
+    fused = rankdata([r["soft_label"] for r in rows]) + rankdata([r["cosine"] for r in rows])
+    ranked = sorted(zip(fused, rows, strict=True), key=lambda t: (-t[0], t[1]["key"]))
+    expected = [r["key"] for _, r in ranked[: int(np.floor(fraction * len(rows) + 0.5))]]
+    assert len(set(fused)) < len(rows)  # ties at the cut are possible
+    common = {"run": str(tied["run"]), "keep_fraction": fraction, "rank_by": "fusion"}
+    summary = export_run(ExportSpec(out=str(tmp_path / "keys"), format="keys", **common))
+    import pyarrow.parquet as pq
+
+    written = pq.read_table(tmp_path / "keys" / "keys.parquet").column("key").to_pylist()
+    assert summary["kept"] == len(expected) and set(written) == set(expected)
+    assert summary["cut"]["key"] == expected[-1] and summary["cut"]["rank_by"] == "fusion"
+    export_run(ExportSpec(out=str(tmp_path / "wds"), **common))
+    assert {sample["__key__"] for sample in _read_wds(tmp_path / "wds")} == set(expected)
+
+
 def test_keep_fraction_refuses_a_threshold_beside_it():
     for options in ({"min_label": 0.5}, {"subsets": ("clean",)}):
         with pytest.raises(ValueError, match="leave out --min-label and --subset"):

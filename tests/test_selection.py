@@ -7,7 +7,14 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.core.selection import kept_count, neg_clip_loss, rank_fusion, top_fraction
+from pipeline.core.selection import (
+    fused_rank,
+    kept_count,
+    neg_clip_loss,
+    rank_fusion,
+    rank_grid,
+    top_fraction,
+)
 
 
 @pytest.mark.parametrize(("fraction", "n", "kept"), [(0.3, 10, 3), (0.25, 10, 3), (0.5, 7, 4),
@@ -81,3 +88,27 @@ def test_rank_fusion_is_the_mean_percentile_rank():
     np.testing.assert_allclose(
         rank_fusion(a, b), [(0.25 + 1.0) / 2, (1.0 + 0.25) / 2, (0.625 + 0.75) / 2, 0.5625]
     )
+
+
+def test_fused_rank_orders_as_rank_fusion_ties_included():
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 20, 300).astype(np.float32)  # many ties
+    b = rng.normal(size=300).astype(np.float32)
+    fused = fused_rank([(a, rank_grid(a)), (b, rank_grid(b))])
+    reference = rank_fusion(a, b)
+    # rank_fusion = sum of (left + right + 1) / 2 over 2 scores, / (2 N): fused = 4 N r - 2
+    np.testing.assert_array_equal(fused, np.round(reference * 4 * 300).astype(np.int64) - 2)
+
+
+def test_fused_rank_on_a_coarse_grid_stays_within_its_resolution_and_never_keeps_nan():
+    rng = np.random.default_rng(1)
+    a, b = rng.normal(size=(2, 5000)).astype(np.float32)
+    a[7] = np.nan
+    grids = [(a, rank_grid(a, size=101)), (b, rank_grid(b, size=101))]
+    assert len(grids[0][1]) == 101 and grids[0][1][0] == np.nanmin(a)
+    fused = fused_rank(grids)
+    assert fused[7] == -1
+    finite = ~np.isnan(a)
+    exact = rank_fusion(a[finite], b[finite])
+    approx = fused[finite] / (2 * 2 * 101)  # mean of the two percentile ranks on the grid
+    assert np.abs(approx - exact).max() < 2 / 101

@@ -10,6 +10,10 @@ Contract:
   batches, of its two log-sum-exps over the batch (the CLIP loss's normaliser, "how much every
   other caption and image also look like a match").
 - `rank_fusion(*scores)` averages the scores' percentile ranks (ties share their mean rank).
+- `rank_grid(values)` + `fused_rank(pairs)` are the same fusion for an export over many
+  tables: each score's rank is counted against a sorted grid of at most `FUSION_GRID` of its
+  values (all of them below that: then the order is `rank_fusion`'s, ties included), and the
+  fused score is an integer, so a driver and its tasks compute it bit for bit alike.
 """
 
 from __future__ import annotations
@@ -20,7 +24,18 @@ import numpy as np
 from scipy.special import logsumexp
 from scipy.stats import rankdata
 
-__all__ = ["kept_count", "neg_clip_loss", "rank_fusion", "top_fraction"]
+__all__ = [
+    "FUSION_GRID",
+    "fused_rank",
+    "kept_count",
+    "neg_clip_loss",
+    "rank_fusion",
+    "rank_grid",
+    "top_fraction",
+]
+
+# Grid points per score: percentile ranks to 1/65,536, 256 KiB a score shipped to each task.
+FUSION_GRID = 65_537
 
 
 def kept_count(fraction: float, n: int) -> int:
@@ -79,3 +94,26 @@ def rank_fusion(*scores: np.ndarray) -> np.ndarray:
     ranks = [rankdata(np.asarray(s, np.float64)) / len(s) for s in scores]
     fused: np.ndarray = np.mean(ranks, axis=0)
     return fused
+
+
+def rank_grid(values: np.ndarray, size: int = FUSION_GRID) -> np.ndarray:
+    """(G,) float32, sorted: the finite `values`, or `size` evenly spaced order statistics of
+    them (the smallest and the largest included) when there are more."""
+    finite = np.sort(np.asarray(values, np.float32)[~np.isnan(values)])
+    if len(finite) <= size:
+        return finite
+    return finite[np.linspace(0, len(finite) - 1, size).round().astype(np.int64)]
+
+
+def fused_rank(pairs: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+    """(N,) int64 from [(values (N,), grid (G,)), ...]: the sum over scores of the grid points
+    below the value plus those at or below it (twice the mean rank, ties sharing it, minus 1:
+    `rank_fusion`'s order); -1 where any value is NaN (never kept)."""
+    total = np.zeros(len(pairs[0][0]), np.int64)
+    missing = np.zeros(len(total), bool)
+    for values, grid in pairs:
+        values = np.asarray(values, np.float32)
+        missing |= np.isnan(values)
+        total += np.searchsorted(grid, values, "left") + np.searchsorted(grid, values, "right")
+    total[missing] = -1
+    return total

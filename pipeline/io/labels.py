@@ -12,8 +12,9 @@ Contract:
   version history is in docs/architecture.md §4.4.
 - `open_label_table` reads one table of any readable version as the current schema: columns a
   later version appended read null, except `uid`, which labels.v1 lacks: `uid_of(key)`.
-- `kept_filter` and `DEFAULT_MIN_LABEL`/`DEFAULT_SUBSETS`: which rows a consumer keeps (the
-  export, the publish diagnostics and the audit apply the same rule).
+- `kept_filter`/`read_kept` and `DEFAULT_MIN_LABEL`/`DEFAULT_SUBSETS`: which rows a consumer
+  keeps (the export, the publish diagnostics and the audit apply the same rule); a `RankCut` is
+  `--keep-fraction`'s last kept pair.
 - `uid_of`: DataComp's 128-bit uid. `SPS_PROXIES_SCHEMA`: SPS's intermediate table (not a
   contract).
 """
@@ -47,11 +48,13 @@ __all__ = [
     "SUBSET_VALUES",
     "LABELLING_VIEW_KEY",
     "LabelFooter",
+    "RankCut",
     "kept_filter",
     "labelling_view",
     "labels_file_metadata",
     "labels_json_schema",
     "open_label_table",
+    "read_kept",
     "read_label_footer",
     "uid_of",
 ]
@@ -333,10 +336,22 @@ DEFAULT_MIN_LABEL = 0.0
 DEFAULT_SUBSETS = ("clean", "quasi_clean")
 
 
-def kept_filter(min_label: float, subsets: tuple[str, ...], cut: tuple | None = None):
+@dataclass(frozen=True)
+class RankCut:
+    """The last pair `--keep-fraction` keeps: a row stays when its score under `rank_by` is
+    larger than `score`, or equal with a key <= `key` (ties go to the smaller key). `grids`
+    is set for `rank_by="fusion"`: (column, grid) per fused column (`core.selection.fused_rank`),
+    a score that is no column of the table."""
+
+    rank_by: str
+    score: float
+    key: str
+    grids: tuple[tuple[str, Any], ...] = ()
+
+
+def kept_filter(min_label: float, subsets: tuple[str, ...], cut: RankCut | None = None):
     """The pyarrow filter of kept rows: soft_label >= min_label and subset in `subsets`, and
-    with `cut` = (column, score, key) (`--keep-fraction`), the rows ranked at or above the cut
-    (column > score, or == score with key <= the cut's key: ties go to the smaller key)."""
+    with a column `cut` (`--keep-fraction`), the rows ranked at or above it."""
     import pyarrow.compute as pc
     import pyarrow.dataset as ds
 
@@ -345,9 +360,35 @@ def kept_filter(min_label: float, subsets: tuple[str, ...], cut: tuple | None = 
     )
     if cut is None:
         return keep
-    column, score, key = cut
-    value = pa.scalar(score, pa.float32())
-    ranked = (ds.field(column) > value) | (
-        (ds.field(column) == value) & (ds.field("key") <= pa.scalar(key, pa.string()))
+    if cut.grids:
+        raise ValueError("a fusion cut is no column filter: use read_kept")
+    value = pa.scalar(cut.score, pa.float32())
+    ranked = (ds.field(cut.rank_by) > value) | (
+        (ds.field(cut.rank_by) == value) & (ds.field("key") <= pa.scalar(cut.key, pa.string()))
     )
     return keep & ranked
+
+
+def read_kept(
+    path: str,
+    columns: list[str],
+    min_label: float,
+    subsets: tuple[str, ...],
+    cut: RankCut | None = None,
+) -> pa.Table:
+    """`columns` of the kept rows of one label table: `kept_filter`, or for a fusion cut the
+    base rule as a filter, then the fused score against the cut (one rule, every reader)."""
+    if cut is None or not cut.grids:
+        return open_label_table(path, columns, kept_filter(min_label, subsets, cut))
+    import numpy as np
+
+    from pipeline.core.selection import fused_rank
+
+    needed = list(dict.fromkeys([*columns, "key", *(c for c, _ in cut.grids)]))
+    table = open_label_table(path, needed, kept_filter(min_label, subsets))
+    fused = fused_rank(
+        [(table.column(c).to_numpy(zero_copy_only=False), grid) for c, grid in cut.grids]
+    )
+    keys = np.asarray(table.column("key").to_pylist(), dtype=object)
+    ranked = (fused > cut.score) | ((fused == cut.score) & (keys <= cut.key))
+    return table.filter(pa.array(ranked, pa.bool_())).select(columns)

@@ -24,14 +24,16 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.core.labels import SCORE_COLUMNS
-from pipeline.core.selection import kept_count
+from pipeline.core.selection import fused_rank, kept_count, rank_grid
 from pipeline.errors import UserError
 from pipeline.io.labels import (
     DEFAULT_MIN_LABEL,
     DEFAULT_SUBSETS,
     READABLE_SCHEMA_NAMES,
     SUBSET_VALUES,
+    RankCut,
     open_label_table,
+    read_kept,
 )
 from pipeline.io.layout import MANIFEST_NAME
 from pipeline.io.tables import TEMP_SUFFIX, open_atomic, read_json, write_json_atomic
@@ -53,8 +55,10 @@ logger = logging.getLogger(__name__)
 
 FORMATS = ("wds", "uid", "keys")
 # What `--rank-by` may rank by for `--keep-fraction`: the label, the mixture's posterior, the
-# CLIP score (DataComp's baseline) and every method's score column.
-RANK_COLUMNS = ("soft_label", "clean_prob", "cosine", *SCORE_COLUMNS)
+# CLIP score (DataComp's baseline), every method's score column, and `fusion`: the label and
+# the CLIP score by their mean percentile rank (docs/methods.md §14).
+FUSED_COLUMNS = ("soft_label", "cosine")
+RANK_COLUMNS = ("soft_label", "clean_prob", "cosine", *SCORE_COLUMNS, "fusion")
 UID_DTYPE = np.dtype("u8,u8")  # DataComp's subset-file dtype: (high, low) halves of a uid
 PLAN_NAME = "_export_plan.json"
 SUMMARY_NAME = "_export.json"
@@ -324,7 +328,7 @@ def export_run(
     else:
         result = _export_keys(spec, files, cut)
     if cut is not None:
-        result["cut"] = {"rank_by": cut[0], "score": cut[1], "key": cut[2]}
+        result["cut"] = {"rank_by": cut.rank_by, "score": cut.score, "key": cut.key}
     summary = {
         "format": spec.format,
         "run": spec.run,
@@ -344,30 +348,49 @@ def export_run(
     return {**summary, "skipped": False}
 
 
-def rank_cut(files: dict[str, str], column: str, fraction: float) -> tuple[str, float, str]:
-    """(column, score, key) of the last pair `--keep-fraction` keeps: the `kept_count`-th
-    of all N labelled pairs ranked by `column` (larger first; ties: smaller key first; a null or
-    NaN score is never kept). Reads the column of every table (4 bytes a pair on the driver),
+def rank_cut(files: dict[str, str], rank_by: str, fraction: float) -> RankCut:
+    """The last pair `--keep-fraction` keeps: the `kept_count`-th of all N labelled pairs
+    ranked by `rank_by` (larger first; ties: smaller key first; a null or NaN score is never
+    kept). Reads the ranked column(s) of every table (4 bytes a pair and column on the driver),
     then the keys at the cut's score only."""
-    import pyarrow.dataset as ds
-
-    scores = []
-    for shard in sorted(files):
-        values = open_label_table(files[shard], [column]).column(column)
-        scores.append(values.to_numpy(zero_copy_only=False).astype(np.float32))
-    every = np.concatenate(scores) if scores else np.empty(0, np.float32)
+    columns = FUSED_COLUMNS if rank_by == "fusion" else (rank_by,)
+    read = {c: _column(files, c) for c in columns}
+    if rank_by == "fusion":
+        grids = tuple((c, rank_grid(v)) for c, v in read.items())
+        every = fused_rank([(read[c], grid) for c, grid in grids]).astype(np.float64)
+        every[every < 0] = np.nan
+    else:
+        grids, every = (), read[rank_by]
     valid = every[~np.isnan(every)]
     keep = min(kept_count(fraction, len(every)), len(valid))
     if keep == 0:
-        return column, float("inf"), ""  # nothing ranks above +inf
-    score = np.partition(valid, len(valid) - keep)[len(valid) - keep]  # the keep-th largest
+        return RankCut(rank_by, float("inf"), "", grids)  # nothing ranks above +inf
+    score = float(np.partition(valid, len(valid) - keep)[len(valid) - keep])  # keep-th largest
     needed = keep - int((valid > score).sum())
-    at = ds.field(column) == pa.scalar(float(score), pa.float32())
-    tied = sorted(
-        key for shard in sorted(files) for key in open_label_table(files[shard], ["key"], at)
-        .column("key").to_pylist()
-    )  # fmt: skip
-    return column, float(score), tied[needed - 1]
+    at = RankCut(rank_by, score, "", grids)  # rows > score, or == score with key <= "": none
+    tied = sorted(key for shard in sorted(files) for key in _at_score(files[shard], at))
+    return RankCut(rank_by, score, tied[needed - 1], grids)
+
+
+def _column(files: dict[str, str], column: str) -> np.ndarray:
+    parts = [
+        open_label_table(files[s], [column]).column(column).to_numpy(zero_copy_only=False)
+        for s in sorted(files)
+    ]
+    return np.concatenate(parts).astype(np.float32) if parts else np.empty(0, np.float32)
+
+
+def _at_score(path: str, cut: RankCut) -> list[str]:
+    """Keys of one table whose score equals the cut's."""
+    if not cut.grids:
+        import pyarrow.dataset as ds
+
+        at = ds.field(cut.rank_by) == pa.scalar(cut.score, pa.float32())
+        return open_label_table(path, ["key"], at).column("key").to_pylist()
+    table = open_label_table(path, ["key", *(c for c, _ in cut.grids)])
+    fused = fused_rank([(table.column(c).to_numpy(zero_copy_only=False), g) for c, g in cut.grids])
+    keys = table.column("key").to_pylist()
+    return [k for k, f in zip(keys, fused, strict=True) if f == cut.score]
 
 
 def _export_wds(
@@ -376,7 +399,7 @@ def _export_wds(
     tars: dict[str, str],
     address: str | None,
     num_cpus: int | None,
-    cut: tuple | None,
+    cut: RankCut | None,
 ) -> dict[str, Any]:
     import ray
 
@@ -425,14 +448,11 @@ def _brace_pattern(out: str, names: list[str]) -> str | None:
     return f"{out}/{{{names[0]}..{names[-1]}}}.tar"
 
 
-def _kept_batches(spec: ExportSpec, files: dict[str, str], cut: tuple | None):
+def _kept_batches(spec: ExportSpec, files: dict[str, str], cut: RankCut | None):
     """(shard, kept table) per label table, in shard order, with uid filled for v1 tables."""
-    from pipeline.io.labels import kept_filter
-
-    keep = kept_filter(spec.min_label, tuple(spec.subsets), cut)
     columns = ["key", "shard", "soft_label", "subset", "round", "uid"]
     for shard in sorted(files):
-        yield shard, open_label_table(files[shard], columns, keep)
+        yield shard, read_kept(files[shard], columns, spec.min_label, tuple(spec.subsets), cut)
 
 
 def _subset_counts(table: pa.Table) -> dict[str, int]:
@@ -440,7 +460,7 @@ def _subset_counts(table: pa.Table) -> dict[str, int]:
     return {s: values.count(s) for s in SUBSET_VALUES}
 
 
-def _export_uid(spec: ExportSpec, files: dict[str, str], cut: tuple | None) -> dict[str, Any]:
+def _export_uid(spec: ExportSpec, files: dict[str, str], cut: RankCut | None) -> dict[str, Any]:
     kept, entries = 0, 0
     subsets = dict.fromkeys(SUBSET_VALUES, 0)
     chunks = []
@@ -463,7 +483,7 @@ def _export_uid(spec: ExportSpec, files: dict[str, str], cut: tuple | None) -> d
     return {"kept": kept, "entries": entries, "subsets": subsets, "files": ["uids.npy"]}
 
 
-def _export_keys(spec: ExportSpec, files: dict[str, str], cut: tuple | None) -> dict[str, Any]:
+def _export_keys(spec: ExportSpec, files: dict[str, str], cut: RankCut | None) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     kept = 0

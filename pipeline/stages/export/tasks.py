@@ -20,7 +20,7 @@ import tarfile
 from typing import Any
 
 from pipeline.errors import RunFailedError
-from pipeline.io.labels import SUBSET_VALUES, kept_filter, open_label_table
+from pipeline.io.labels import SUBSET_VALUES, RankCut, read_kept
 from pipeline.io.shards import RawRecord, iter_shard_records, split_source
 from pipeline.io.tables import file_exists, open_atomic, read_json, write_json_atomic
 
@@ -83,10 +83,10 @@ def _extended_json(record: RawRecord, label: dict[str, Any], qualified: bool) ->
 
 
 def _read_kept(
-    label_file: str, min_label: float, subsets: tuple[str, ...], cut: tuple | None
+    label_file: str, min_label: float, subsets: tuple[str, ...], cut: RankCut | None
 ) -> dict[str, dict]:
     """{key: {soft_label, subset, round, uid}} of the kept rows of one label table."""
-    table = open_label_table(label_file, LABEL_COLUMNS, kept_filter(min_label, subsets, cut))
+    table = read_kept(label_file, LABEL_COLUMNS, min_label, subsets, cut)
     kept = {}
     columns = {name: table.column(name).to_pylist() for name in LABEL_COLUMNS}
     for key, label, subset, round_index, uid in zip(*columns.values(), strict=True):
@@ -101,7 +101,7 @@ def write_shard_part(
     out: str,
     min_label: float,
     subsets: tuple[str, ...],
-    cut: tuple | None = None,
+    cut: RankCut | None = None,
 ) -> dict[str, Any]:
     """Write `<out>/_parts/<shard>.tarpart` and its marker `<shard>.json` (skip if done).
 
@@ -110,7 +110,7 @@ def write_shard_part(
         tar_path: the input tar (local path or fsspec URL).
         label_file: the shard's published label table.
         out: export directory.
-        min_label, subsets, cut: the keep rule (`kept_filter`).
+        min_label, subsets, cut: the keep rule (`read_kept`).
 
     Returns:
         The marker: {"shard", "count", "subsets": {name: n}, "offsets": [byte offset of each
