@@ -1,8 +1,9 @@
 """The selection benchmark, DataComp's protocol: what is a student trained from scratch on what
 each scorer keeps worth? (docs/benchmarks.md "Subset selection")
 
-Per seed: a web corpus (`make_corpus(noise_model="web")`), one `jobs/demo-web.yaml` run per
-label method (co-teaching from the teacher, `make teacher`; the published labels), then one
+Per seed: a web corpus (`make_corpus(noise_model="web")`; `--pool ncr`: the classic one), one
+`jobs/demo-web.yaml` run per label method (co-teaching from the teacher, `make teacher`; the
+published labels), then one
 student per arm: ncl-tiny from random init, plain InfoNCE, the same number of samples seen for
 every arm (`--samples-seen`; DataComp's fixed-compute rule: a smaller subset is seen for more
 epochs). Arms, each keeping the top fraction f of the pool for f in `--fractions`:
@@ -254,10 +255,10 @@ def attribute_accuracy(loaded, probe) -> dict[str, float]:
 
 
 def corpus_and_runs(args, seed: int, workdir: Path):
-    folder = workdir / f"seed{seed}"
+    folder = workdir / (f"seed{seed}" if args.pool == "web" else f"{args.pool}-seed{seed}")
     summary = make_corpus(
         folder / "corpus",
-        noise_model="web",
+        noise_model=args.pool,  # ncr: 40% random swaps, 10% one attribute changed
         samples=args.samples,
         seed=seed,
         samples_per_shard=500,
@@ -315,7 +316,8 @@ def run_seed(args, seed: int, workdir: Path, out) -> None:
     pixels, tokens, keys = decode(str(folder / "corpus"), student)
     truth = _truth(summary.ground_truth)
     rows = _join(truth, keys)
-    kind, noise_type = truth["kind"][rows], truth["noise_type"][rows]
+    kind = truth["kind"][rows]
+    noise_type = truth.get("noise_type", truth["kind"])[rows]  # ncr: the kind is the type
     clean = kind == "clean"
     first = runs[args.methods[0]]
     scores = teacher_scores(first, keys, args.batch)
@@ -326,6 +328,7 @@ def run_seed(args, seed: int, workdir: Path, out) -> None:
         out,
         "selection_scorers",
         seed=seed,
+        pool=args.pool,
         pairs=len(keys),
         clean_share=round(float(clean.mean()), 3),
         auroc={
@@ -358,8 +361,8 @@ def run_seed(args, seed: int, workdir: Path, out) -> None:
     val = load_eval_set(summary.val_shards, student.preprocess, student.tokenizer)
     test = load_eval_set(summary.test_shards, student.preprocess, student.tokenizer)
     test_truth = _truth(summary.test_ground_truth)
-    styles = np.asarray(test_truth["caption_style"], dtype=object)  # one per test caption
-    styles = styles if len(styles) == test.n_texts else None
+    styles = test_truth.get("caption_style")  # one per test caption (web only)
+    styles = styles if styles is not None and len(styles) == test.n_texts else None
     probe = attribute_probe(str(Path(summary.test_shards[0]).parent), student.preprocess)
     for (arm, f), (kept, weights) in arms.items():
         if args.arms and arm not in args.arms:
@@ -438,10 +441,14 @@ def summarise(lines: list[dict]) -> dict:
         "headroom": ratio("teacher_in_clean", "teacher"),
     }
     win = {f"over_{b}": ratio(best, b) for b in WIN} if best else {}
-    scorers = [line for line in lines if line.get("figure") == "selection_scorers"]
+    per_seed: dict = {}  # (scorer, seed) -> AUROC; a later invocation's line adds scorers
+    for line in lines:
+        if line.get("figure") == "selection_scorers":
+            for name, values in line["auroc"].items():
+                per_seed[(name, line["seed"])] = values["all_mismatched"]
     auroc = {
-        name: _spread([line["auroc"][name]["all_mismatched"] for line in scorers])
-        for name in (scorers[0]["auroc"] if scorers else {})
+        name: _spread([v for (n, _), v in per_seed.items() if n == name])
+        for name in dict.fromkeys(n for n, _ in per_seed)
     }
     return {
         "scorer_auroc": auroc,
@@ -505,6 +512,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["assign"], help="label methods (runs)")
     parser.add_argument("--fractions", type=float, nargs="+", default=list(FRACTIONS))
     parser.add_argument("--arms", nargs="*", help="only these arms (default: all)")
+    parser.add_argument("--pool", choices=("web", "ncr"), default="web", help="noise model")
     parser.add_argument("--samples", type=int, default=2000)
     parser.add_argument("--val-samples", type=int, default=500)
     parser.add_argument("--test-samples", type=int, default=500)

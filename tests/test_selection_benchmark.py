@@ -57,3 +57,15 @@ def test_the_fraction_is_picked_on_validation_and_the_ratios_use_the_test_median
         "over_negclip": True,
         "over_teacher_in_clean": True,
     }
+
+
+def test_scorer_aurocs_merge_over_invocations_one_value_per_seed():
+    def scorers(seed: int, **auroc: float) -> dict:
+        values = {name: {"all_mismatched": v} for name, v in auroc.items()}
+        return {"figure": "selection_scorers", "seed": seed, "auroc": values}
+
+    lines = [scorers(s, teacher=0.8, labels_rcr=0.86 + s / 100) for s in (0, 1, 2)]
+    lines += [scorers(s, teacher=0.8, labels_sps=0.7) for s in (0, 1, 2)]  # a later invocation
+    auroc = selection.summarise(lines)["scorer_auroc"]
+    assert auroc["teacher"] == {"median": 0.8, "min": 0.8, "max": 0.8, "n": 3}
+    assert auroc["labels_rcr"]["median"] == 0.87 and auroc["labels_sps"]["n"] == 3
