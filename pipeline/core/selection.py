@@ -99,10 +99,11 @@ def rank_fusion(*scores: np.ndarray) -> np.ndarray:
 def rank_grid(values: np.ndarray, size: int = FUSION_GRID) -> np.ndarray:
     """(G,) float32, sorted: the finite `values`, or `size` evenly spaced order statistics of
     them (the smallest and the largest included) when there are more."""
-    finite = np.sort(np.asarray(values, np.float32)[~np.isnan(values)])
+    finite: np.ndarray = np.sort(np.asarray(values, np.float32)[~np.isnan(values)])
     if len(finite) <= size:
         return finite
-    return finite[np.linspace(0, len(finite) - 1, size).round().astype(np.int64)]
+    picked: np.ndarray = finite[np.linspace(0, len(finite) - 1, size).round().astype(np.int64)]
+    return picked
 
 
 def fused_rank(pairs: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
