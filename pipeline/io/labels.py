@@ -54,6 +54,7 @@ __all__ = [
     "labels_file_metadata",
     "labels_json_schema",
     "open_label_table",
+    "fused_scores",
     "read_kept",
     "read_label_footer",
     "uid_of",
@@ -382,13 +383,18 @@ def read_kept(
         return open_label_table(path, columns, kept_filter(min_label, subsets, cut))
     import numpy as np
 
-    from pipeline.core.selection import fused_rank
-
     needed = list(dict.fromkeys([*columns, "key", *(c for c, _ in cut.grids)]))
     table = open_label_table(path, needed, kept_filter(min_label, subsets))
-    fused = fused_rank(
-        [(table.column(c).to_numpy(zero_copy_only=False), grid) for c, grid in cut.grids]
-    )
+    fused = fused_scores(table, cut)
     keys = np.asarray(table.column("key").to_pylist(), dtype=object)
     ranked = (fused > cut.score) | ((fused == cut.score) & (keys <= cut.key))
     return table.filter(pa.array(ranked, pa.bool_())).select(columns)
+
+
+def fused_scores(table: pa.Table, cut: RankCut):
+    """(N,) int64 fused score of a table's rows under a fusion cut (`core.selection`)."""
+    from pipeline.core.selection import fused_rank
+
+    return fused_rank(
+        [(table.column(c).to_numpy(zero_copy_only=False), grid) for c, grid in cut.grids]
+    )

@@ -32,6 +32,7 @@ from pipeline.io.labels import (
     READABLE_SCHEMA_NAMES,
     SUBSET_VALUES,
     RankCut,
+    fused_scores,
     open_label_table,
     read_kept,
 )
@@ -388,7 +389,7 @@ def _at_score(path: str, cut: RankCut) -> list[str]:
         at = ds.field(cut.rank_by) == pa.scalar(cut.score, pa.float32())
         return open_label_table(path, ["key"], at).column("key").to_pylist()
     table = open_label_table(path, ["key", *(c for c, _ in cut.grids)])
-    fused = fused_rank([(table.column(c).to_numpy(zero_copy_only=False), g) for c, g in cut.grids])
+    fused = fused_scores(table, cut)
     keys = table.column("key").to_pylist()
     return [k for k, f in zip(keys, fused, strict=True) if f == cut.score]
 
