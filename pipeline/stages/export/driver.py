@@ -32,7 +32,6 @@ from pipeline.io.labels import (
     READABLE_SCHEMA_NAMES,
     SUBSET_VALUES,
     RankCut,
-    fused_scores,
     open_label_table,
     read_kept,
 )
@@ -352,10 +351,19 @@ def export_run(
 def rank_cut(files: dict[str, str], rank_by: str, fraction: float) -> RankCut:
     """The last pair `--keep-fraction` keeps: the `kept_count`-th of all N labelled pairs
     ranked by `rank_by` (larger first; ties: smaller key first; a null or NaN score is never
-    kept). Reads the ranked column(s) of every table (4 bytes a pair and column on the driver),
-    then the keys at the cut's score only."""
+    kept). Reads the ranked column(s) of every table once (4 bytes a pair and column on the
+    driver), then the keys of the tables that hold a pair at the cut's score only."""
+    shards = sorted(files)
     columns = FUSED_COLUMNS if rank_by == "fusion" else (rank_by,)
-    read = {c: _column(files, c) for c in columns}
+    tables = [open_label_table(files[s], list(columns)) for s in shards]
+    read = {
+        c: np.concatenate([t.column(c).to_numpy(zero_copy_only=False) for t in tables]).astype(
+            np.float32
+        )
+        if tables
+        else np.empty(0, np.float32)
+        for c in columns
+    }
     if rank_by == "fusion":
         grids = tuple((c, rank_grid(v)) for c, v in read.items())
         every = fused_rank([(read[c], grid) for c, grid in grids]).astype(np.float64)
@@ -368,30 +376,19 @@ def rank_cut(files: dict[str, str], rank_by: str, fraction: float) -> RankCut:
         return RankCut(rank_by, float("inf"), "", grids)  # nothing ranks above +inf
     score = float(np.partition(valid, len(valid) - keep)[len(valid) - keep])  # keep-th largest
     needed = keep - int((valid > score).sum())
-    at = RankCut(rank_by, score, "", grids)  # rows > score, or == score with key <= "": none
-    tied = sorted(key for shard in sorted(files) for key in _at_score(files[shard], at))
+    # The tied rows by position: table i holds rows offsets[i]..offsets[i+1].
+    offsets = np.cumsum([0, *(t.num_rows for t in tables)])
+    at = np.flatnonzero(every == score)
+    owner = np.searchsorted(offsets, at, side="right") - 1
+    tied = sorted(
+        key
+        for i in np.unique(owner)
+        for key in open_label_table(files[shards[i]], ["key"])
+        .column("key")
+        .take(pa.array(at[owner == i] - offsets[i]))
+        .to_pylist()
+    )
     return RankCut(rank_by, score, tied[needed - 1], grids)
-
-
-def _column(files: dict[str, str], column: str) -> np.ndarray:
-    parts = [
-        open_label_table(files[s], [column]).column(column).to_numpy(zero_copy_only=False)
-        for s in sorted(files)
-    ]
-    return np.concatenate(parts).astype(np.float32) if parts else np.empty(0, np.float32)
-
-
-def _at_score(path: str, cut: RankCut) -> list[str]:
-    """Keys of one table whose score equals the cut's."""
-    if not cut.grids:
-        import pyarrow.dataset as ds
-
-        at = ds.field(cut.rank_by) == pa.scalar(cut.score, pa.float32())
-        return open_label_table(path, ["key"], at).column("key").to_pylist()
-    table = open_label_table(path, ["key", *(c for c, _ in cut.grids)])
-    fused = fused_scores(table, cut)
-    keys = table.column("key").to_pylist()
-    return [k for k, f in zip(keys, fused, strict=True) if f == cut.score]
 
 
 def _export_wds(
