@@ -356,7 +356,7 @@ def rank_cut(files: dict[str, str], rank_by: str, fraction: float) -> RankCut:
     shards = sorted(files)
     columns = FUSED_COLUMNS if rank_by == "fusion" else (rank_by,)
     tables = [open_label_table(files[s], list(columns)) for s in shards]
-    read = {
+    read: dict[str, np.ndarray] = {
         c: np.concatenate([t.column(c).to_numpy(zero_copy_only=False) for t in tables]).astype(
             np.float32
         )
