@@ -19,7 +19,13 @@ from label_fixtures import table_quality
 
 from pipeline.clients.read import read_labels
 from pipeline.core.audit import DEGREES, weighted_auroc
-from pipeline.reporting.audit import AuditError, audit_summary, prepare_audit, serve_audit
+from pipeline.reporting.audit import (
+    AuditError,
+    audit_summary,
+    prepare_audit,
+    read_answers,
+    serve_audit,
+)
 
 pytestmark = [pytest.mark.ray]
 
@@ -81,13 +87,8 @@ def test_the_page_in_chromium_saves_each_answer_and_a_reload_resumes(served, run
     answers = run / "audit" / "answers.parquet"
     items = served.sample.table.sort_by("item").column("key").to_pylist()
 
-    def saved() -> dict:
-        if not answers.exists():
-            return {}
-        table = pq.read_table(answers)
-        return dict(
-            zip(table.column("item").to_pylist(), table.column("answer").to_pylist(), strict=True)
-        )
+    def saved() -> dict:  # read as a user's `audit --summary` would, while the page writes
+        return {row["item"]: row["answer"] for row in read_answers(str(run)).values()}
 
     def wait_for(driver, check):
         WebDriverWait(driver, 10).until(lambda _: check())

@@ -22,7 +22,7 @@ from pipeline.io.labels import (
     SUBSET_VALUES,
     labels_file_metadata,
 )
-from pipeline.io.tables import write_table_atomic
+from pipeline.io.tables import read_table, write_table_atomic
 from pipeline.stages.publish import AVERAGED, combine_shard
 
 N = 6
@@ -185,6 +185,36 @@ def test_a_reader_during_publishes_sees_one_generation(local_ray, tmp_path):
     # The current generation and the one before it; older ones are gone.
     assert (labels / "_CURRENT").read_text().strip() == "gen-5"
     assert sorted(p.name for p in labels.iterdir() if p.is_dir()) == ["gen-4", "gen-5"]
+
+
+def test_a_file_read_while_a_writer_renames_new_versions_over_it_is_one_version(tmp_path):
+    # The audit page rewrites answers.parquet on every answer while `audit --summary` reads it.
+    import threading
+
+    path = str(tmp_path / "answers.parquet")
+    schema = pa.schema([("item", pa.int64()), ("answer", pa.string())])
+
+    def version(n: int) -> pa.Table:
+        return pa.table({"item": list(range(n)), "answer": ["x" * (i % 7) for i in range(n)]})
+
+    write_table_atomic(version(1), path, schema)
+    stop = threading.Event()
+
+    def writer() -> None:
+        n = 1
+        while not stop.is_set():
+            n = n % 300 + 1
+            write_table_atomic(version(n), path, schema)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        reads = [read_table(path) for _ in range(500)]
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert all(table.column("item").to_pylist() == list(range(table.num_rows)) for table in reads)
+    assert len({table.num_rows for table in reads}) > 10  # the reader saw the writer's versions
 
 
 @pytest.mark.ray

@@ -156,9 +156,15 @@ def read_json(path: str) -> dict | None:
 
 
 def read_table(path: str, columns: list[str] | None = None) -> pa.Table:
-    """A Parquet file (local or fsspec URL), optionally only `columns`."""
+    """A Parquet file (local or fsspec URL), optionally only `columns`.
+
+    Read through one open handle: a path-based read opens the file twice (footer, then pages),
+    and a writer renaming a new version in between (`open_atomic`, e.g. the audit's answers)
+    would pair one file's footer with the other's pages.
+    """
     fs, fs_path = fsspec.core.url_to_fs(path)
-    return pq.read_table(fs_path, columns=columns, filesystem=fs)
+    with fs.open(fs_path, "rb") as handle:
+        return pq.read_table(handle, columns=columns)
 
 
 def read_schema(path: str) -> pa.Schema:
