@@ -29,6 +29,7 @@ from pipeline.io.layout import STAGE_KEY_META
 from pipeline.io.shards import ShardReadError, ShardReadStats, iter_shard_records
 from pipeline.run.failures import explain_failure
 from pipeline.run.runner import run_job
+from pipeline.run.status import predict_rerun
 
 HTML = b"<!DOCTYPE html><html><body><h1>503 Service Unavailable</h1></body></html>\n"
 
@@ -284,3 +285,17 @@ def test_a_shard_changed_in_place_stops_training_with_one_paragraph(
     for ray_report in ("Error in training function", "[FailurePolicy]", "Full stack trace"):
         assert ray_report not in shown
     assert "ShardChangedError" not in shown
+
+    # The rerun the message asks for embeds the rewritten shard again (its name and size, hence
+    # its key, are unchanged) and only it: a shard copied over itself byte for byte is reused.
+    shutil.copy(corpus / "00002.tar", tmp_path / "same.tar")
+    shutil.move(tmp_path / "same.tar", corpus / "00002.tar")  # another inode and mtime
+    monkeypatch.setattr(keys_stage, "run_key_check", original)
+    job = _job(tmp_path, corpus, "run", warmup=1)
+    embed = predict_rerun(str(tmp_path / "run"), job).decisions["round0/embed"]
+    assert embed.reason == "input shards changed (rewritten since their embed pass: 00001)"
+    metrics = run_job(job)
+    assert metrics["rounds"]["0"]["embed"]["shards_skipped"] == len(list(corpus.glob("*.tar"))) - 1
+    recorded = read_reference(str(tmp_path / "run" / "rounds/0/embeddings/00001.parquet"))
+    assert recorded.sha256 == hashlib.sha256((corpus / "00001.tar").read_bytes()).hexdigest()
+    assert (tmp_path / "run" / "labels").exists()

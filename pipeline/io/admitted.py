@@ -13,6 +13,9 @@ Contract (docs/architecture.md §4.1, "Broken, changed and repeated shards"):
   recorded size (:func:`changed_shards`, one ``stat`` per shard); a missing or resized shard is
   left out of the rest of the run and reported. :func:`file_signature` tells a rewritten file
   from the same one without reading it (the training readers' pixel cache finds entries by it).
+* The footer records that signature too; before a rerun's round-0 embed pass,
+  :func:`rewritten_shards` hashes the shards whose signature moved and names those whose bytes
+  differ: they are embedded again (a same-size rewrite keeps the shard's key).
 * :func:`read_embeddings_footer` is the one reader of an embeddings table's footer (row count,
   stage key, fingerprint, the embed pass's other `ncl.*` entries) without reading its data.
 """
@@ -29,6 +32,7 @@ from pipeline.io.shard_patterns import split_source
 __all__ = [
     "SHARD_BYTES_KEY",
     "SHARD_SHA256_KEY",
+    "SHARD_SIGNATURE_KEY",
     "EmbeddingsFooter",
     "ShardChangedError",
     "ShardReference",
@@ -37,11 +41,13 @@ __all__ = [
     "fingerprint_change",
     "read_embeddings_footer",
     "read_reference",
+    "rewritten_shards",
     "shard_size",
 ]
 
 SHARD_BYTES_KEY = "ncl.shard_bytes"
 SHARD_SHA256_KEY = "ncl.shard_sha256"
+SHARD_SIGNATURE_KEY = "ncl.shard_signature"
 
 
 class ShardChangedError(RuntimeError):
@@ -65,6 +71,7 @@ class EmbeddingsFooter:
     stage_key: str  # the run-state key it was embedded under; "" when none was recorded
     shard_bytes: int | None  # the tar's size as the embed pass read it; None: not recorded
     shard_sha256: str | None
+    shard_signature: str | None  # `file_signature` when embedded; None: not recorded
     meta: dict[str, str]  # every key/value entry, decoded (model ids, logit scales, ...)
 
 
@@ -76,6 +83,7 @@ def _footer(rows: int, raw: dict[bytes, bytes] | None) -> EmbeddingsFooter:
         stage_key=meta.get(STAGE_KEY_META, ""),
         shard_bytes=int(size) if size else None,
         shard_sha256=meta.get(SHARD_SHA256_KEY) or None,
+        shard_signature=meta.get(SHARD_SIGNATURE_KEY) or None,
         meta=meta,
     )
 
@@ -174,3 +182,42 @@ def changed_shards(recorded: dict[str, tuple[str, int | None]]) -> dict[str, str
         elif size is not None and now != size:
             changed[shard] = f"shard {path!r} changed size after its embed pass ({size} -> {now})"
     return changed
+
+
+def _sha256(path: str) -> str | None:
+    """The hex sha256 of the file at `path` (local or URL), None when it cannot be read."""
+    import hashlib
+
+    import fsspec
+
+    digest = hashlib.sha256()
+    try:
+        with fsspec.open(split_source(path)[1], "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    except (OSError, ValueError):
+        return None
+    return digest.hexdigest()
+
+
+def rewritten_shards(tables: dict[str, tuple[str, str]]) -> list[str]:
+    """The shards whose bytes differ from what their round-0 embed pass read.
+
+    Only a shard whose file signature moved since then is read (hashed); a copy with the same
+    bytes is not rewritten. Shards without a table or a recorded signature (tables written
+    before signatures were) are not checked: training still refuses their changed bytes.
+
+    Args:
+        tables: shard name -> (shard path, its round-0 embeddings table).
+    """
+    rewritten = []
+    for shard, (path, table) in tables.items():
+        footer = read_embeddings_footer(table)
+        if footer is None or footer.shard_signature is None or footer.shard_sha256 is None:
+            continue
+        now = file_signature(path)
+        if now is None or now == footer.shard_signature:
+            continue
+        if _sha256(path) not in (footer.shard_sha256, None):  # unreadable: the pass reports it
+            rewritten.append(shard)
+    return rewritten

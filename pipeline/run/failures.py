@@ -76,7 +76,7 @@ def _advice(root: BaseException, output: str = "") -> str:
     if isinstance(root, ShardChangedError):
         return (
             "A shard changed while the run used it: leave the input unchanged during a run, "
-            "then rerun (the changed shard is read again)."
+            "then rerun (the changed shard is embedded again)."
         )
     if isinstance(root, ShardReadError):
         return (

@@ -115,6 +115,7 @@ def plan_stage(
     shard_keys: Mapping[str, str],
     outputs_present: Callable[[Stage, Collection[str]], bool],
     expected_to_fail: Collection[str] = (),
+    rewritten: Collection[str] = (),
 ) -> Planned:
     """Reuse or recompute `stage`, and why.
 
@@ -123,16 +124,23 @@ def plan_stage(
         outputs_present: whether a done stage's outputs are still there (`pipeline.run.kinds`).
         expected_to_fail: shards of `shard_keys` that round 0 tries again but that status
             assumes fail again: they count in neither the stage's token nor its recomputation.
+        rewritten: shards round 0 embeds again although their tables hold its key (their
+            bytes changed under the same name and size: `pipeline.io.admitted.rewritten_shards`).
     """
     records = state.records
     if stage.kind == "embed":
-        plan = embed_plan(job, stage, state.tokens, state.recomputed, layout, shard_keys)
+        plan = embed_plan(job, stage, state.tokens, state.recomputed, layout, shard_keys, rewritten)
         kept = {n: k for n, k in plan.expected.items() if n not in expected_to_fail}
         token = embed_key(plan.base, kept).key
         if not plan.pending:
             return Planned(Decision(stage.name, True), plan.base, token, False, plan)
         why = embed_reason(
-            plan.base, records.get(stage.name), plan.pending, plan.found, state.recomputed
+            plan.base,
+            records.get(stage.name),
+            plan.pending,
+            plan.found,
+            state.recomputed,
+            plan.expected,
         )
         recomputes = any(name not in expected_to_fail for name in plan.pending)
         return Planned(Decision(stage.name, False, why), plan.base, token, recomputes, plan)

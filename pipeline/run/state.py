@@ -325,9 +325,12 @@ def embed_plan(
     recomputed: Collection[str],
     layout,
     round0_keys: Mapping[str, str],
+    rewritten: Collection[str] = (),
 ) -> EmbedPlan:
     """The plan of `node`'s embed pass over the shards of `round0_keys` (shard -> its round-0
-    key: config and identity); the runner runs it, `ncl-pipeline status` predicts it."""
+    key: config and identity); the runner runs it, `ncl-pipeline status` predicts it.
+    `rewritten`: round-0 shards whose bytes changed under the same name and size
+    (`pipeline.io.admitted.rewritten_shards`), embedded again."""
     base = embed_base(job, node, tokens)
     if node.round_index == 0:
         expected = dict(round0_keys)
@@ -335,6 +338,7 @@ def embed_plan(
         expected = {name: shard_key(base.key, key) for name, key in round0_keys.items()}
     found = table_keys({name: layout.embeddings(node.round_index, name) for name in expected})
     pending = pending_shards(expected, found)
+    pending += [name for name in rewritten if name in expected and name not in pending]
     if any(name in recomputed for name in node.inputs):
         pending = list(expected)  # its models may differ bit for bit under the same key
     return EmbedPlan(base, expected, found, pending)
@@ -346,6 +350,7 @@ def embed_reason(
     pending: list[str],
     found: Mapping[str, str | None],
     recomputed: Collection[str] = (),
+    expected: Mapping[str, str] | None = None,
 ) -> str:
     """Why an embed pass recomputes `pending` shards (its other shards are reused)."""
     if recorded is None and not any(found.values()):
@@ -360,10 +365,13 @@ def embed_reason(
     upstream = [name for name in base.inputs if name in recomputed]
     if upstream:
         return f"its input {upstream[0]} was recomputed"
+    expected = expected or {}
     new = [s for s in pending if found.get(s) is None]
-    other = [s for s in pending if found.get(s) is not None]
+    other = [s for s in pending if found.get(s) not in (None, expected.get(s))]
+    rewritten = [s for s in pending if found.get(s) is not None and found.get(s) == expected.get(s)]
     parts = [f"no embeddings yet: {_names(new)}"] if new else []
     parts += [f"embedded under another key: {_names(other)}"] if other else []
+    parts += [f"rewritten since their embed pass: {_names(rewritten)}"] if rewritten else []
     return f"input shards changed ({'; '.join(parts)})"
 
 

@@ -21,7 +21,9 @@ from pipeline.core.losses.per_sample import batched_losses, fixed_size_loss_batc
 from pipeline.io.admitted import (
     SHARD_BYTES_KEY,
     SHARD_SHA256_KEY,
+    SHARD_SIGNATURE_KEY,
     ShardReference,
+    file_signature,
     fingerprint_change,
     read_reference,
 )
@@ -346,6 +348,7 @@ def embed_shard(
     if spec.round_index > 0:
         reference = read_reference(layout.embeddings(0, shard))
     error = changed = ""
+    signature = file_signature(path)  # before reading: a rewrite while read then shows later
     try:
         buffers = _read_shard(
             path, spec, models, pool, stats, reference.keys if reference else None
@@ -364,7 +367,7 @@ def embed_shard(
         quarantine = pa.table(quarantine_columns(buffers.rejections))
         write_table_atomic(quarantine, layout.quarantine(shard), QUARANTINE_SCHEMA)
     if not error and not changed:
-        _write_embeddings(shard, spec, models, buffers, layout, stats)
+        _write_embeddings(shard, spec, models, buffers, layout, stats, signature)
 
     reasons = Counter(r.reason for r in buffers.rejections)
     return {
@@ -396,6 +399,7 @@ def _write_embeddings(
     buffers: _ShardBuffers,
     layout: RunLayout,
     stats: ShardReadStats,
+    signature: str | None,
 ) -> None:
     n = len(buffers.keys)
     rng = np.random.default_rng([spec.seed, spec.round_index, zlib.crc32(shard.encode())])
@@ -423,6 +427,8 @@ def _write_embeddings(
     if stats.sha256 is not None:  # the file as read: later readers check they read the same
         metadata[SHARD_BYTES_KEY] = str(stats.size)
         metadata[SHARD_SHA256_KEY] = stats.sha256
+        if signature is not None:
+            metadata[SHARD_SIGNATURE_KEY] = signature
     dim = 0
     batch_ids = np.zeros(n, dtype=np.int32)
     for view, loaded in models.items():
