@@ -1,12 +1,12 @@
 """The selection benchmark, DataComp's protocol: what is a student trained from scratch on what
 each scorer keeps worth? (docs/benchmarks.md "Subset selection")
 
-Per seed: a web corpus (`make_corpus(noise_model="web")`; `--pool ncr`: the classic one), one
-`jobs/demo-web.yaml` run per label method (co-teaching from the teacher, `make teacher`; the
-published labels), then one
-student per arm: ncl-tiny from random init, plain InfoNCE, the same number of samples seen for
-every arm (`--samples-seen`; DataComp's fixed-compute rule: a smaller subset is seen for more
-epochs). Arms, each keeping the top fraction f of the pool for f in `--fractions`:
+Per seed: the web pool (`make_corpus(noise_model="web")` with `WEB_POOL`; `--pool ncr`: the
+classic one), one `jobs/demo-web.yaml` run per label method (co-teaching from the teacher,
+`make teacher`; the published labels), then one student per arm: ncl-tiny from random init,
+plain InfoNCE, the same number of samples seen for every arm (`--samples-seen`; DataComp's
+fixed-compute rule: a smaller subset is seen for more epochs). Arms, each keeping the top
+fraction f of the pool for f in `--fractions`:
   none                    every pair (no f)
   random                  a seeded random f (the control)
   oracle                  the ground-truth clean pairs (no f)
