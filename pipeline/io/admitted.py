@@ -23,6 +23,7 @@ Contract (docs/architecture.md §4.1, "Broken, changed and repeated shards"):
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pipeline.io.layout import STAGE_KEY_META
@@ -184,23 +185,7 @@ def changed_shards(recorded: dict[str, tuple[str, int | None]]) -> dict[str, str
     return changed
 
 
-def _sha256(path: str) -> str | None:
-    """The hex sha256 of the file at `path` (local or URL), None when it cannot be read."""
-    import hashlib
-
-    import fsspec
-
-    digest = hashlib.sha256()
-    try:
-        with fsspec.open(split_source(path)[1], "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    except (OSError, ValueError):
-        return None
-    return digest.hexdigest()
-
-
-def rewritten_shards(tables: dict[str, tuple[str, str]]) -> list[str]:
+def rewritten_shards(shards: Mapping[str, tuple[str, EmbeddingsFooter | None]]) -> list[str]:
     """The shards whose bytes differ from what their round-0 embed pass read.
 
     Only a shard whose file signature moved since then is read (hashed); a copy with the same
@@ -208,16 +193,20 @@ def rewritten_shards(tables: dict[str, tuple[str, str]]) -> list[str]:
     before signatures were) are not checked: training still refuses their changed bytes.
 
     Args:
-        tables: shard name -> (shard path, its round-0 embeddings table).
+        shards: shard name -> (shard path, its round-0 embeddings footer or None).
     """
+    from pipeline.io.paths import file_sha256
+
     rewritten = []
-    for shard, (path, table) in tables.items():
-        footer = read_embeddings_footer(table)
+    for shard, (path, footer) in shards.items():
         if footer is None or footer.shard_signature is None or footer.shard_sha256 is None:
             continue
         now = file_signature(path)
         if now is None or now == footer.shard_signature:
             continue
-        if _sha256(path) not in (footer.shard_sha256, None):  # unreadable: the pass reports it
-            rewritten.append(shard)
+        try:
+            if file_sha256(split_source(path)[1]) != footer.shard_sha256:
+                rewritten.append(shard)
+        except (OSError, ValueError):
+            continue  # unreadable now: the embed pass reports it
     return rewritten

@@ -10,6 +10,7 @@ Contract:
   faster), else the fsspec filesystem.
 - `parquet_files(fs, folder)`: a folder's Parquet tables, sorted, without hidden or `_` files;
   `folder_names(folder)`: the names of everything in a folder (none when it is missing).
+- `file_sha256(path)`: a whole file's content hash, streamed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,19 @@ from __future__ import annotations
 import os
 
 __all__ = ["arrow_filesystem", "as_url", "filesystem", "folder_names", "is_local", "parquet_files"]
+
+
+def file_sha256(path: str, chunk: int = 1 << 20) -> str:
+    """The hex sha256 of the file at `path` (local or fsspec URL), read in `chunk`-byte blocks."""
+    import hashlib
+
+    import fsspec
+
+    digest = hashlib.sha256()
+    with fsspec.open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(chunk), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def filesystem(path: str | os.PathLike[str]):

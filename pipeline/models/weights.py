@@ -32,6 +32,7 @@ import torch
 from open_clip import constants as _oc_constants
 from open_clip import pretrained as _oc_pretrained
 
+from pipeline.io.paths import file_sha256
 from pipeline.io.tables import open_atomic
 from pipeline.models.spec import (
     CHECKPOINT_SUFFIXES,
@@ -430,14 +431,6 @@ def local_copy(url: str) -> str:
         for block in iter(lambda: src.read(1 << 20), b""):
             out.write(block)
     return str(dest)
-
-
-def file_sha256(path: str, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(chunk), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _unpickler_reason(exc: Exception) -> str:

@@ -115,7 +115,7 @@ def plan_stage(
     shard_keys: Mapping[str, str],
     outputs_present: Callable[[Stage, Collection[str]], bool],
     expected_to_fail: Collection[str] = (),
-    rewritten: Collection[str] = (),
+    paths: Mapping[str, str] | None = None,
 ) -> Planned:
     """Reuse or recompute `stage`, and why.
 
@@ -124,12 +124,12 @@ def plan_stage(
         outputs_present: whether a done stage's outputs are still there (`pipeline.run.kinds`).
         expected_to_fail: shards of `shard_keys` that round 0 tries again but that status
             assumes fail again: they count in neither the stage's token nor its recomputation.
-        rewritten: shards round 0 embeds again although their tables hold its key (their
-            bytes changed under the same name and size: `pipeline.io.admitted.rewritten_shards`).
+        paths: the shards' paths, for round 0's embed pass: a shard whose bytes changed under
+            the same name and size is embedded again (`pipeline.io.admitted.rewritten_shards`).
     """
     records = state.records
     if stage.kind == "embed":
-        plan = embed_plan(job, stage, state.tokens, state.recomputed, layout, shard_keys, rewritten)
+        plan = embed_plan(job, stage, state.tokens, state.recomputed, layout, shard_keys, paths)
         kept = {n: k for n, k in plan.expected.items() if n not in expected_to_fail}
         token = embed_key(plan.base, kept).key
         if not plan.pending:
@@ -140,7 +140,7 @@ def plan_stage(
             plan.pending,
             plan.found,
             state.recomputed,
-            plan.expected,
+            plan.rewritten,
         )
         recomputes = any(name not in expected_to_fail for name in plan.pending)
         return Planned(Decision(stage.name, False, why), plan.base, token, recomputes, plan)

@@ -14,7 +14,6 @@ from functools import partial
 
 from pipeline.config import JobConfig, JobConfigError
 from pipeline.errors import RunFailedError, RunInterrupted, ShardFailuresError
-from pipeline.io.admitted import rewritten_shards
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import expand_sources
 from pipeline.models import check_weights_available
@@ -172,12 +171,9 @@ def _run_stages(ctx: RunContext, until: str | None) -> None:
 def plan(ctx: RunContext, stage: Stage):
     """`plan_stage` over the shards the stage reads (round 0's embed pass: every input shard,
     whose round-0 keys it fixes)."""
-    rewritten: list[str] = []
-    if stage.name == "round0/embed":
+    first = stage.name == "round0/embed"
+    if first:
         ctx.shard_keys = round0_shard_keys(ctx.job, stage, ctx.state.tokens, ctx.paths)
-        rewritten = rewritten_shards(
-            {n: (p, ctx.layout.embeddings(0, n)) for n, p in ctx.paths.items()}
-        )
     names = KINDS[stage.kind].shards(ctx, stage)
     return plan_stage(
         ctx.job,
@@ -186,5 +182,5 @@ def plan(ctx: RunContext, stage: Stage):
         ctx.state,
         {name: ctx.shard_keys[name] for name in names},
         lambda s, shards: outputs_present(ctx.layout, s, shards),
-        rewritten=rewritten,
+        paths=ctx.paths if first else None,
     )

@@ -310,12 +310,14 @@ def round0_shard_keys(
 class EmbedPlan:
     """What an embed pass finds before it runs: its key before the shards (`base`), the key
     each shard's table must hold (`expected`), the keys the tables hold (`found`, None: no
-    table) and the shards to (re)compute (`pending`)."""
+    table), the shards to (re)compute (`pending`) and those of them whose table holds the
+    expected key but whose bytes changed (`rewritten`)."""
 
     base: StageKey
     expected: dict[str, str]
     found: dict[str, str | None]
     pending: list[str]
+    rewritten: list[str] = field(default_factory=list)
 
 
 def embed_plan(
@@ -325,23 +327,30 @@ def embed_plan(
     recomputed: Collection[str],
     layout,
     round0_keys: Mapping[str, str],
-    rewritten: Collection[str] = (),
+    paths: Mapping[str, str] | None = None,
 ) -> EmbedPlan:
     """The plan of `node`'s embed pass over the shards of `round0_keys` (shard -> its round-0
-    key: config and identity); the runner runs it, `ncl-pipeline status` predicts it.
-    `rewritten`: round-0 shards whose bytes changed under the same name and size
-    (`pipeline.io.admitted.rewritten_shards`), embedded again."""
+    key: config and identity); the runner runs it, `ncl-pipeline status` predicts it. With the
+    shards' `paths` (round 0), a shard whose bytes changed under the same name and size
+    (`pipeline.io.admitted.rewritten_shards`) is embedded again."""
+    from pipeline.io.admitted import read_embeddings_footer, rewritten_shards
+
     base = embed_base(job, node, tokens)
     if node.round_index == 0:
         expected = dict(round0_keys)
     else:  # a later round's models over the same admitted shards
         expected = {name: shard_key(base.key, key) for name, key in round0_keys.items()}
-    found = table_keys({name: layout.embeddings(node.round_index, name) for name in expected})
+    footers = {n: read_embeddings_footer(layout.embeddings(node.round_index, n)) for n in expected}
+    found = {n: None if f is None else f.stage_key for n, f in footers.items()}
     pending = pending_shards(expected, found)
-    pending += [name for name in rewritten if name in expected and name not in pending]
+    given = paths or {}
+    rewritten = rewritten_shards(
+        {n: (given[n], footers[n]) for n in expected if n in given and n not in pending}
+    )
+    pending += rewritten
     if any(name in recomputed for name in node.inputs):
         pending = list(expected)  # its models may differ bit for bit under the same key
-    return EmbedPlan(base, expected, found, pending)
+    return EmbedPlan(base, expected, found, pending, rewritten)
 
 
 def embed_reason(
@@ -350,7 +359,7 @@ def embed_reason(
     pending: list[str],
     found: Mapping[str, str | None],
     recomputed: Collection[str] = (),
-    expected: Mapping[str, str] | None = None,
+    rewritten: Collection[str] = (),
 ) -> str:
     """Why an embed pass recomputes `pending` shards (its other shards are reused)."""
     if recorded is None and not any(found.values()):
@@ -365,13 +374,11 @@ def embed_reason(
     upstream = [name for name in base.inputs if name in recomputed]
     if upstream:
         return f"its input {upstream[0]} was recomputed"
-    expected = expected or {}
     new = [s for s in pending if found.get(s) is None]
-    other = [s for s in pending if found.get(s) not in (None, expected.get(s))]
-    rewritten = [s for s in pending if found.get(s) is not None and found.get(s) == expected.get(s)]
+    other = [s for s in pending if found.get(s) is not None and s not in rewritten]
     parts = [f"no embeddings yet: {_names(new)}"] if new else []
     parts += [f"embedded under another key: {_names(other)}"] if other else []
-    parts += [f"rewritten since their embed pass: {_names(rewritten)}"] if rewritten else []
+    parts += [f"rewritten since their embed pass: {_names(list(rewritten))}"] if rewritten else []
     return f"input shards changed ({'; '.join(parts)})"
 
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from pipeline.config import JobConfig
 from pipeline.errors import UserError
-from pipeline.io.admitted import rewritten_shards
 from pipeline.io.layout import RunLayout
 from pipeline.io.shards import expand_sources, shard_name
 from pipeline.run.graph import plan_stage, stage_graph
@@ -57,7 +56,6 @@ def predict_rerun(run_dir: str, job: JobConfig, manifest: dict | None = None) ->
     paths = {shard_name(p): p for p in expand_sources(job.input.shard_specs())}
     keys = round0_shard_keys(job, graph[0], {}, paths)
     found = table_keys({name: layout.embeddings(0, name) for name in keys})
-    rewritten = rewritten_shards({n: (p, layout.embeddings(0, n)) for n, p in paths.items()})
     failed = {f["shard"] for f in (manifest.get("shards") or {}).get("failed", [])}
     retried = sorted(name for name in keys if found[name] is None and name in failed)
     usable = {name: key for name, key in keys.items() if name not in retried}
@@ -73,7 +71,7 @@ def predict_rerun(run_dir: str, job: JobConfig, manifest: dict | None = None) ->
             keys if first else usable,
             lambda s, shards: outputs_present(layout, s, shards),
             expected_to_fail=retried if first else (),
-            rewritten=rewritten if first else (),
+            paths=paths if first else None,
         )
         state.tokens[stage.name] = planned.token
         if planned.recomputes:
